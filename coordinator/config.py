@@ -1,0 +1,44 @@
+"""Configuration owned by the cross-rank coordinator."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Data-parallel replicas.
+    dp: PosInt = 1
+    # Pipeline stages.
+    pp: PosInt = 1
+    # Tensor-parallel ranks per stage.
+    tp: PosInt = 1
+    # "partitioned": each DP replica has its own request stream.
+    # "replicated": every DP replica sees the same stream (SPMD / RL).
+    requests: Literal["partitioned", "replicated"] = "partitioned"
+    # How later pipeline stages learn stage 0's decision.
+    pp_sync: Literal["chain", "collective"] = "chain"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Backend of the data plane. Control groups are always gloo on CPU.
+    backend: Literal["gloo", "nccl"] = "gloo"
+    # Rendezvous deadline at start-up, in seconds.
+    init_timeout_s: PositiveFloat = 60.0
+    # Deadline of every steady-state collective or point-to-point call.
+    step_timeout_s: PositiveFloat = 30.0
+    # Rendezvous host; loopback unless the config names an interface.
+    master_addr: str = "127.0.0.1"
+    # 0 picks a free port at launch.
+    master_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    # Number of nodes (torchrun / ray).
+    nnodes: PosInt = 1

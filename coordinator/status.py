@@ -1,0 +1,62 @@
+"""What a rank reports to the agreement, and what the agreement decides.
+
+These are plain values: the coordinator never sees grammars, only sequence
+numbers, states and integer reason codes. ``rank_worker`` owns the meaning
+of each reason code; the coordinator only carries them.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+
+class PendingState(IntEnum):
+    PENDING = 0
+    READY = 1
+    FAILED = 2
+
+
+class LocalStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's view of its pending window, in sequence order.
+
+    ``seqs`` are the sequence numbers of every request waiting for
+    admission, ascending. ``states`` and ``reasons`` are parallel to it;
+    ``reasons[i]`` is 0 unless ``states[i]`` is FAILED.
+    """
+
+    seqs: tuple[int, ...] = ()
+    states: tuple[int, ...] = ()
+    reasons: tuple[int, ...] = ()
+    # Wall-clock milliseconds on this rank when the status was taken. The
+    # decision carries the maximum, so TTL expiry is decided identically.
+    clock_ms: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.seqs) == len(self.states) == len(self.reasons)
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """The agreed outcome of one step, identical on every rank.
+
+    ``ready`` holds the sequence numbers to admit, ascending; ``failed``
+    holds ``(seq, reason)`` pairs, ascending by seq. Failed wins over ready.
+    """
+
+    step: int
+    ready: tuple[int, ...] = ()
+    failed: tuple[tuple[int, int], ...] = ()
+    # Agreed wall clock (max over the group), used for poison TTL expiry.
+    clock_ms: int = 0
+
+
+class PoisonRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A failed grammar key shared across DP leaders."""
+
+    # blake2b-128 digest of the canonical spec (16 bytes).
+    key: bytes
+    # Reason code (rank_worker.errors), e.g. grammar_timeout.
+    reason: int
+    # Agreed clock at which the failure was decided.
+    clock_ms: int

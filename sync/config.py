@@ -1,0 +1,19 @@
+"""Configuration owned by the bitmask transport."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+
+class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # "auto" picks shm for readers on the writer's host and tcp otherwise.
+    kind: Literal["auto", "shm", "tcp"] = "auto"
+    # Ring slots; a slot is reused only after every reader released it.
+    num_slots: Annotated[int, Meta(ge=1, le=64)] = 4
+    # Seconds a writer waits for a free slot (or a reader for a step).
+    timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    # Interface for tcp endpoints; loopback unless set.
+    interface: str = "127.0.0.1"
