@@ -1,0 +1,66 @@
+"""The ``gramcoord`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from launch.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gramcoord", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="compile a workload's specs on one process")
+    check.add_argument("workload", nargs="?", help="JSONL workload (default: the config's)")
+    check.add_argument("--config", help="cluster YAML (default: built-in defaults)")
+    check.add_argument("--out", help="per-record JSONL output (default: stdout)")
+    check.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. grammar.compile_timeout_s=5",
+    )
+
+    bench = sub.add_parser("bench", help="run benchmarks/NAME.py and write bench.json")
+    bench.add_argument("name")
+    bench.add_argument("--out", default="bench-out", help="directory for bench.json")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.command == "check":
+        from launch.check import main_check
+
+        try:
+            config = load_config(args.config, args.overrides)
+        except ConfigError as exc:
+            print(f"gramcoord: config error: {exc}", file=sys.stderr)
+            return 2
+        workload = args.workload or config.workload.path
+        if not Path(workload).is_file():
+            print(f"gramcoord: workload {workload} not found", file=sys.stderr)
+            return 2
+        return main_check(config, workload, args.out)
+    if args.command == "bench":
+        from launch.bench import run_bench
+
+        run_bench(args.name, args.args, Path(args.out))
+        return 0
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Workload records: the dev-data formats and vLLM-style requests.
+
+Accepted as they are, one JSON object per line:
+
+- a schema record (``"schema": {...}``) becomes a ``json`` request; its first
+  valid instance is kept as the reference text;
+- a regex record (``"kind": "regex"``, ``"regex": "..."``) becomes a
+  ``regex`` request;
+- a vLLM-style record carries ``structured_outputs`` (and optionally
+  ``prompt``, ``max_tokens``).
+
+A line that is not JSON, or a record of no known shape, is still returned,
+as a ``WorkloadRecord`` with ``error`` set, so a caller can report it
+without losing its place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class WorkloadRecord(msgspec.Struct, kw_only=True):
+    # 0-based line number among non-blank lines (unique even if ids repeat).
+    index: int
+    id: str
+    # The raw structured_outputs mapping handed to validation.
+    spec: Any = None
+    prompt: str = ""
+    max_tokens: int = 0
+    # Reference output text (a valid instance), if the record has one.
+    reference: str | None = None
+    # Why the record could not be read, if it could not.
+    error: str | None = None
+
+
+def _reference(rec: dict) -> str | None:
+    for inst in rec.get("instances") or ():
+        if isinstance(inst, dict) and inst.get("valid") is True and "data" in inst:
+            return json.dumps(inst["data"], ensure_ascii=False)
+    return None
+
+
+def parse_record(index: int, line: str) -> WorkloadRecord:
+    """Turn one JSONL line into a record; never raises."""
+    try:
+        rec = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        return WorkloadRecord(index=index, id=f"line-{index}", error=f"not JSON: {exc}")
+    if not isinstance(rec, dict):
+        return WorkloadRecord(index=index, id=f"line-{index}", error="record is not an object")
+    rid = str(rec.get("id", f"line-{index}"))
+    max_tokens = rec.get("max_tokens", 0)
+    max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 0
+    prompt = rec.get("prompt") if isinstance(rec.get("prompt"), str) else ""
+    common = dict(index=index, id=rid, prompt=prompt, max_tokens=max_tokens)
+    if "structured_outputs" in rec:
+        return WorkloadRecord(spec=rec["structured_outputs"], reference=_reference(rec), **common)
+    if "schema" in rec:
+        return WorkloadRecord(spec={"json": rec["schema"]}, reference=_reference(rec), **common)
+    if rec.get("kind") == "regex" or "regex" in rec:
+        return WorkloadRecord(spec={"regex": rec.get("regex")}, **common)
+    return WorkloadRecord(
+        error="record has none of structured_outputs, schema, regex", spec=None, **common
+    )
+
+
+def read_workload(path: str | Path, limit: int = 0) -> Iterator[WorkloadRecord]:
+    """Yield records from a JSONL file, skipping blank lines."""
+    index = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            yield parse_record(index, line)
+            index += 1
+            if limit and index >= limit:
+                return

@@ -1,0 +1,377 @@
+"""One rank's grammar manager: validate, key, look up, compile, admit.
+
+Requests flow through three places:
+
+- the **waiting** queue, when the pending window (``grammar.max_pending``)
+  is full; nothing is dropped;
+- the **pending window**, in sequence order, each request either a cache
+  hit (ready), a compile job (its own or one it joined), or failed;
+- **running**, once a decision admitted it; it owns a matcher factory on
+  the shared ``CompiledGrammar``.
+
+Immediate verdicts that are identical on every rank (a spec that fails
+validation, a poisoned key) never enter the window. Everything else waits
+for a ``Decision``: from the coordinator in multi-rank runs, or from
+``decide_locally`` on one rank. Caches change only inside
+``apply_decision`` and ``apply_poison``, so ranks that apply the same
+decisions hold the same caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import xgrammar as xgr
+
+from coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+from rank_worker.caches import CompileCache, PoisonCache, PoisonKind
+from rank_worker.compile_service import CompileFn, CompileJob, CompileService, XGrammarBackend
+from rank_worker.config import GrammarConfig
+from rank_worker.errors import ErrorCode, SpecError
+from rank_worker.spec import GrammarSpec, validate_spec
+from rank_worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CacheStatus = Literal["miss", "hit", "joined", "poisoned", "none"]
+_POISON_KIND = {
+    int(ErrorCode.grammar_invalid): PoisonKind.INVALID,
+    int(ErrorCode.grammar_timeout): PoisonKind.TIMEOUT,
+}
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    """What happened to one request: admitted, failed, or still waiting."""
+
+    request_id: str
+    seq: int
+    status: Literal["admitted", "failed", "pending", "waiting"]
+    cache: CacheStatus = "none"
+    code: str | None = None
+    message: str = ""
+    warnings: tuple[str, ...] = ()
+    compile_ms: float = 0.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    seq: int
+    request_id: str
+    spec: GrammarSpec
+    cache: CacheStatus
+    compiled: Any = None
+    job: CompileJob | None = None
+    warnings: tuple[str, ...] = ()
+    compile_ms: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1e3)
+
+
+class GrammarManager:
+    """Per-rank grammar lifecycle; see the module docstring.
+
+    Parameters
+    ----------
+    config:
+        The ``grammar`` config section.
+    tokenizer:
+        The loaded vocabulary (part of every key).
+    compile_fn:
+        Override the xgrammar backend (tests inject slow or failing ones).
+    clock:
+        Monotonic seconds for compile deadlines.
+    wall_ms:
+        Wall clock in ms, reported to the agreement for TTL decisions.
+    """
+
+    def __init__(
+        self,
+        config: GrammarConfig,
+        tokenizer: Tokenizer,
+        *,
+        compile_fn: CompileFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_ms: Callable[[], int] = _wall_ms,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._wall_ms = wall_ms
+        backend = compile_fn or XGrammarBackend(tokenizer)
+        self.service = CompileService(config, backend, clock=clock)
+        self.cache = CompileCache(
+            max_bytes=int(config.cache_limit_mb * 2**20), max_entries=config.num_cache_entries
+        )
+        self.poison = PoisonCache(
+            max_entries=config.num_poison_entries, ttl_ms=int(config.poison_ttl_s * 1e3)
+        )
+        self._pending: dict[int, _Entry] = {}
+        self._waiting: deque[_Entry] = deque()
+        self._running: dict[str, _Entry] = {}
+        self._seq_of: dict[str, int] = {}
+        self._deferred: list[Outcome] = []
+        self._new_failures: list[PoisonRecord] = []
+        self._next_seq = 0
+        # Agreed wall clock (ms): the latest decision's. Poison TTLs are
+        # judged against it, never against this rank's own clock.
+        self.agreed_ms = 0
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("miss", "hit", "joined", "poisoned", "invalid_spec", "admitted", "failed"), 0
+        )
+
+    # -- admission --------------------------------------------------------
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+        """Validate, key and look up one request, then submit its compile.
+
+        Never raises for bad input: a rejected spec or a poisoned key comes
+        back as a ``failed`` outcome with a code.
+        """
+        if seq is None:
+            seq = self._next_seq
+        if seq < self._next_seq:
+            raise ValueError(
+                f"sequence numbers must increase: got {seq} after {self._next_seq - 1}"
+            )
+        if request_id in self._seq_of:
+            raise ValueError(f"request id {request_id!r} is already live")
+        self._next_seq = seq + 1
+        try:
+            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
+        except SpecError as exc:
+            self.stats["invalid_spec"] += 1
+            return Outcome(
+                request_id=request_id,
+                seq=seq,
+                status="failed",
+                code=exc.code.name,
+                message=exc.message,
+            )
+        entry = _Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
+        poisoned = self._poisoned_outcome(entry)
+        if poisoned is not None:
+            return poisoned
+        self._seq_of[request_id] = seq
+        if len(self._pending) >= self.config.max_pending:
+            self._waiting.append(entry)
+            return self._outcome(entry, "waiting")
+        self._enter_window(entry)
+        return self._outcome(entry, "pending")
+
+    def _poisoned_outcome(self, entry: _Entry) -> Outcome | None:
+        hit = self.poison.get(entry.spec.key, self.agreed_ms)
+        if hit is None:
+            return None
+        self.stats["poisoned"] += 1
+        entry.cache = "poisoned"
+        code = ErrorCode.name_of(hit.reason)
+        return self._outcome(entry, "failed", code=code, message=f"poisoned key: {hit.message}")
+
+    def _enter_window(self, entry: _Entry) -> None:
+        compiled = self.cache.get(entry.spec.key)
+        if compiled is not None:
+            entry.cache, entry.compiled = "hit", compiled
+        else:
+            entry.job, joined = self.service.submit(entry.spec)
+            entry.cache = "joined" if joined else "miss"
+        self.stats[entry.cache] += 1
+        self._pending[entry.seq] = entry
+
+    def _fill_window(self) -> None:
+        while self._waiting and len(self._pending) < self.config.max_pending:
+            entry = self._waiting.popleft()
+            poisoned = self._poisoned_outcome(entry)
+            if poisoned is not None:
+                self._seq_of.pop(entry.request_id, None)
+                self._deferred.append(poisoned)
+            else:
+                self._enter_window(entry)
+
+    # -- agreement interface -----------------------------------------------
+
+    def _state(self, entry: _Entry) -> tuple[PendingState, int]:
+        hit = self.poison.get(entry.spec.key, self.agreed_ms)
+        if hit is not None:  # poisoned meanwhile, e.g. shared by a DP peer
+            return PendingState.FAILED, hit.reason
+        if entry.compiled is not None:
+            return PendingState.READY, 0
+        assert entry.job is not None
+        return entry.job.state()
+
+    def local_status(self) -> LocalStatus:
+        """This rank's view of the pending window, in sequence order."""
+        self.service.poll()
+        seqs, states, reasons = [], [], []
+        for seq, entry in self._pending.items():
+            state, reason = self._state(entry)
+            seqs.append(seq)
+            states.append(int(state))
+            reasons.append(reason)
+        return LocalStatus(
+            seqs=tuple(seqs), states=tuple(states), reasons=tuple(reasons), clock_ms=self._wall_ms()
+        )
+
+    def decide_locally(self, step: int = 0) -> Decision:
+        """The decision a single rank makes on its own status."""
+        status = self.local_status()
+        ready, failed = [], []
+        for seq, state, reason in zip(status.seqs, status.states, status.reasons):
+            if state == PendingState.FAILED:
+                failed.append((seq, reason))
+            elif state == PendingState.READY:
+                ready.append(seq)
+        return Decision(
+            step=step, ready=tuple(ready), failed=tuple(failed), clock_ms=status.clock_ms
+        )
+
+    def step(self) -> list[Outcome]:
+        """Single-rank admission: decide on local status and apply it."""
+        return self.apply_decision(self.decide_locally())
+
+    def apply_decision(self, decision: Decision, *, wait_s: float = 0.0) -> list[Outcome]:
+        """Admit and fail requests exactly as decided, in sequence order.
+
+        Parameters
+        ----------
+        decision:
+            The agreed decision (identical on every rank of the group).
+        wait_s:
+            For later pipeline stages: how long to wait for a local compile
+            of an admitted request that has not finished yet. Past it the
+            request fails with ``grammar_stage_timeout``.
+        """
+        self.agreed_ms = max(self.agreed_ms, decision.clock_ms)
+        self.poison.expire(self.agreed_ms)
+        failed = dict(decision.failed)
+        outcomes, self._deferred = self._deferred, []
+        for seq in sorted(set(decision.ready) | failed.keys()):
+            entry = self._pending.pop(seq, None)
+            if entry is None:  # aborted here before the decision landed
+                continue
+            if seq in failed:
+                outcomes.append(self._fail(entry, failed[seq]))
+            else:
+                outcomes.append(self._admit(entry, wait_s))
+        self._fill_window()
+        return outcomes
+
+    def _admit(self, entry: _Entry, wait_s: float) -> Outcome:
+        if entry.compiled is None:
+            job = entry.job
+            assert job is not None
+            if not job.done.is_set() and wait_s > 0:
+                job.done.wait(wait_s)
+            if not job.done.is_set() or job.error is not None:
+                code = ErrorCode.grammar_stage_timeout
+                msg = f"admitted upstream but not compiled here within {wait_s:g}s"
+                if job.error is not None:
+                    code, msg = job.error
+                self._seq_of.pop(entry.request_id, None)
+                self.stats["failed"] += 1
+                return self._outcome(entry, "failed", code=code.name, message=msg)
+            entry.compiled = job.result
+            entry.compile_ms = job.compile_ms
+            self.service.forget(job)
+        self.cache.put(entry.spec.key, entry.compiled)
+        self._running[entry.request_id] = entry
+        self.stats["admitted"] += 1
+        return self._outcome(entry, "admitted")
+
+    def _fail(self, entry: _Entry, reason: int) -> Outcome:
+        code = ErrorCode.name_of(reason)
+        message = f"failed on another rank of the agreement group ({code})"
+        job = entry.job
+        if job is not None:
+            entry.compile_ms = job.compile_ms
+            if job.error is not None and int(job.error[0]) == reason:
+                message = job.error[1]
+            if job.done.is_set():
+                self.service.forget(job)
+        hit = self.poison.get(entry.spec.key, self.agreed_ms)
+        if hit is not None and hit.reason == reason:
+            message = f"poisoned key: {hit.message}"
+        kind = _POISON_KIND.get(reason)
+        if kind is not None and hit is None:
+            self.poison.poison(entry.spec.key, kind, reason, message, self.agreed_ms)
+            self._new_failures.append(PoisonRecord(entry.spec.key, reason, self.agreed_ms))
+        self._seq_of.pop(entry.request_id, None)
+        self.stats["failed"] += 1
+        return self._outcome(entry, "failed", code=code, message=message)
+
+    def new_failures(self) -> list[PoisonRecord]:
+        """Keys this rank poisoned since the last call (to share with DP peers)."""
+        out, self._new_failures = self._new_failures, []
+        return out
+
+    def apply_poison(self, records: Iterable[PoisonRecord]) -> None:
+        """Poison keys decided elsewhere; TTLs run from each record's clock."""
+        for r in records:
+            kind = _POISON_KIND.get(r.reason)
+            if kind is not None:
+                msg = f"{ErrorCode.name_of(r.reason)} (shared by a data-parallel peer)"
+                self.poison.poison(r.key, kind, r.reason, msg, r.clock_ms)
+
+    # -- running requests ---------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; True if it was live."""
+        seq = self._seq_of.pop(request_id, None)
+        if seq is None:
+            return False
+        if self._pending.pop(seq, None) is None and self._running.pop(request_id, None) is None:
+            self._waiting = deque(e for e in self._waiting if e.seq != seq)
+        self._fill_window()
+        return True
+
+    def finish(self, request_id: str) -> None:
+        """Forget a finished request."""
+        if self._running.pop(request_id, None) is not None:
+            self._seq_of.pop(request_id, None)
+
+    def compiled(self, request_id: str) -> Any:
+        return self._running[request_id].compiled
+
+    def spec(self, request_id: str) -> GrammarSpec:
+        return self._running[request_id].spec
+
+    def matcher(self, request_id: str) -> xgr.GrammarMatcher:
+        """A fresh matcher on the request's shared compiled grammar."""
+        return xgr.GrammarMatcher(self._running[request_id].compiled)
+
+    def wait_ready(self, seq: int, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until pending ``seq`` is ready or failed."""
+        entry = self._pending.get(seq)
+        if entry is None or entry.compiled is not None or entry.job is None:
+            return entry is not None
+        return self.service.wait(entry.job, timeout_s)
+
+    def close(self) -> None:
+        self.service.close()
+
+    def _outcome(self, entry: _Entry, status: str, *, code: str | None = None, message: str = ""):
+        return Outcome(
+            request_id=entry.request_id,
+            seq=entry.seq,
+            status=status,
+            cache=entry.cache,
+            code=code,
+            message=message,
+            warnings=entry.warnings,
+            compile_ms=round(entry.compile_ms, 3),
+        )

@@ -1,0 +1,318 @@
+"""Structured-output specs: the request-facing type, validation and keys.
+
+``StructuredOutputSpec`` uses vLLM's field names. ``validate_spec`` turns one
+into a ``GrammarSpec``: a normalized, hashable description of exactly what
+will be compiled, with its grammar key. Every rejection is a ``SpecError``
+with a stable code; nothing here raises anything else for bad input.
+
+The key is a blake2b-128 digest of ``kind``, the canonical text, the compile
+options and the vocabulary name. It is the same on every rank and every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+import msgspec
+
+from rank_worker.config import GrammarConfig
+from rank_worker.errors import ErrorCode, SpecError, WarningCode
+from rank_worker.schema_lint import walk_schema
+
+MAX_DEPTH = 64
+MAX_DEPTH_STRUCTURAL_TAG = 80
+# Enum / choice / required lists longer than this are hostile, not real.
+MAX_VALUES = 10_000
+
+GrammarKind = Literal["json", "regex", "choice", "ebnf", "lark", "json_object", "structural_tag"]
+_KIND_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a request asks for; exactly one of the first six fields is set."""
+
+    # A JSON Schema: an object, a boolean, or its JSON text.
+    json: Any = None
+    # A regular expression the whole output must match.
+    regex: str | None = None
+    # The output must be exactly one of these strings.
+    choice: list[str] | None = None
+    # An EBNF (GBNF) or Lark grammar; see ``grammar_syntax``.
+    grammar: str | None = None
+    # Any JSON object; only ``true`` is meaningful.
+    json_object: bool | None = None
+    # An xgrammar structural tag: an object or its JSON text.
+    structural_tag: Any = None
+    # "auto" treats a grammar containing "::=" as EBNF, else Lark.
+    grammar_syntax: Literal["auto", "ebnf", "lark"] = "auto"
+    # Override grammar.any_whitespace for this request.
+    any_whitespace: bool | None = None
+    # Override grammar.strict_mode for this request.
+    strict_mode: bool | None = None
+    # vLLM spellings, accepted so vLLM-style records load as they are.
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    backend: str | None = None
+    disable_fallback: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated spec: exactly what will be compiled, and its key."""
+
+    kind: GrammarKind
+    # Canonical text handed to the compiler (JSON with canonical key order
+    # for json/structural_tag, the choice list as JSON, raw text otherwise).
+    text: str
+    any_whitespace: bool
+    strict_mode: bool
+    # blake2b-128 digest; identical on every rank for the same spec.
+    key: bytes
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def key_hex(self) -> str:
+        return self.key.hex()
+
+    @property
+    def needs_full_vocab(self) -> bool:
+        """Lark and structural tags may emit special tokens such as <tool_call>."""
+        return self.kind in ("lark", "structural_tag")
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _text_depth(text: str) -> int:
+    """Bracket nesting of a regex or grammar, skipping escapes and classes."""
+    depth = best = 0
+    escaped = in_class = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+            best = max(best, depth)
+        elif ch == ")":
+            depth = max(0, depth - 1)
+    return best
+
+
+def _as_spec(raw: Any) -> StructuredOutputSpec:
+    if isinstance(raw, StructuredOutputSpec):
+        return raw
+    try:
+        if isinstance(raw, bytes | str):
+            return msgspec.json.decode(raw, type=StructuredOutputSpec)
+        return msgspec.convert(raw, StructuredOutputSpec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(ErrorCode.spec_bad_type, f"structured_outputs: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise SpecError(ErrorCode.spec_bad_json, f"structured_outputs is not JSON: {exc}") from exc
+
+
+def _load_json_value(value: Any, field: str) -> Any:
+    if isinstance(value, str):
+        if not value.strip():
+            raise SpecError(ErrorCode.spec_blank, f"{field} is blank; pass a JSON value")
+        try:
+            return json.loads(value)
+        except RecursionError as exc:
+            raise SpecError(
+                ErrorCode.spec_too_deep, f"{field} nests deeper than {MAX_DEPTH}"
+            ) from exc
+        except ValueError as exc:
+            raise SpecError(ErrorCode.spec_bad_json, f"{field} is not valid JSON: {exc}") from exc
+    return value
+
+
+def _check_size(text: str, config: GrammarConfig, field: str) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > config.max_spec_bytes:
+        raise SpecError(
+            ErrorCode.spec_too_large,
+            f"{field} is {size} bytes; the limit is grammar.max_spec_bytes={config.max_spec_bytes}",
+        )
+
+
+def _json_schema(value: Any, config: GrammarConfig) -> tuple[str, list[str]]:
+    schema = _load_json_value(value, "json")
+    if schema is True or schema == {}:
+        schema = {}
+    elif schema is False:
+        raise SpecError(ErrorCode.spec_bad_json, "json schema `false` accepts nothing")
+    if not isinstance(schema, dict):
+        raise SpecError(
+            ErrorCode.spec_bad_json,
+            f"json must be a JSON Schema object or boolean, not {type(schema).__name__}",
+        )
+    canonical, found = walk_schema(schema, max_depth=MAX_DEPTH)
+    if found.max_depth > MAX_DEPTH:
+        raise SpecError(
+            ErrorCode.spec_too_deep,
+            f"json schema nests {found.max_depth} levels; the limit is {MAX_DEPTH}",
+        )
+    if found.max_values > MAX_VALUES:
+        raise SpecError(
+            ErrorCode.spec_too_many_values,
+            f"json schema has a list of {found.max_values} values; the limit is {MAX_VALUES}",
+        )
+    if found.broken_refs:
+        path, ref = found.broken_refs[0]
+        raise SpecError(ErrorCode.spec_bad_json, f"$ref {ref!r} at {path} does not resolve")
+    warnings: list[str] = []
+    if found.ignored:
+        detail = "; ".join(f"{p}: {m}" for p, m in found.ignored[:5])
+        more = f" (+{len(found.ignored) - 5} more)" if len(found.ignored) > 5 else ""
+        if config.reject_ignored_features:
+            raise SpecError(
+                ErrorCode.schema_unsupported_feature,
+                f"xgrammar would not enforce: {detail}{more}. Remove these keywords, or set "
+                "grammar.reject_ignored_features=false to accept them unenforced",
+            )
+        warnings.append(f"{WarningCode.ignored_feature}: {detail}{more}")
+    if found.remote_refs:
+        refs = ", ".join(f"{r!r} at {p}" for p, r in found.remote_refs[:3])
+        warnings.append(f"{WarningCode.unconstrained_ref}: {refs} not resolvable locally")
+    text = _canonical_json(canonical)
+    _check_size(text, config, "json")
+    return text, warnings
+
+
+def _pick_kind(spec: StructuredOutputSpec) -> str:
+    given = [f for f in _KIND_FIELDS if getattr(spec, f) is not None]
+    if not given:
+        raise SpecError(ErrorCode.spec_no_kind, f"set exactly one of {', '.join(_KIND_FIELDS)}")
+    if len(given) > 1:
+        raise SpecError(
+            ErrorCode.spec_multiple_kinds,
+            f"set exactly one of {', '.join(_KIND_FIELDS)}; got {', '.join(given)}",
+        )
+    return given[0]
+
+
+def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig):
+    warnings: list[str] = []
+    if field == "json":
+        text, warnings = _json_schema(spec.json, config)
+        return "json", text, warnings
+    if field == "json_object":
+        if spec.json_object is not True:
+            raise SpecError(ErrorCode.spec_json_object_false, "json_object must be true")
+        return "json_object", "", warnings
+    if field == "choice":
+        choice = spec.choice or []
+        if not choice:
+            raise SpecError(ErrorCode.spec_empty_choice, "choice needs at least one string")
+        if len(choice) > MAX_VALUES:
+            raise SpecError(
+                ErrorCode.spec_too_many_values,
+                f"choice has {len(choice)} options; the limit is {MAX_VALUES}",
+            )
+        text = _canonical_json(choice)
+        _check_size(text, config, "choice")
+        return "choice", text, warnings
+    if field == "structural_tag":
+        tag = _load_json_value(spec.structural_tag, "structural_tag")
+        if not isinstance(tag, dict) or not tag:
+            raise SpecError(ErrorCode.spec_blank, "structural_tag must be a non-empty JSON object")
+        _, found = walk_schema(tag, max_depth=MAX_DEPTH_STRUCTURAL_TAG)
+        if found.max_depth > MAX_DEPTH_STRUCTURAL_TAG:
+            raise SpecError(
+                ErrorCode.spec_too_deep,
+                f"structural_tag nests {found.max_depth} levels; "
+                f"the limit is {MAX_DEPTH_STRUCTURAL_TAG}",
+            )
+        text = json.dumps(tag, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        _check_size(text, config, "structural_tag")
+        return "structural_tag", text, warnings
+    text = spec.regex if field == "regex" else spec.grammar
+    assert text is not None
+    _check_size(text, config, field)
+    if not text.strip():
+        raise SpecError(ErrorCode.spec_blank, f"{field} is blank")
+    if field == "regex" and "\x00" in text:
+        raise SpecError(ErrorCode.spec_regex_nul, "regex contains a NUL character")
+    depth = _text_depth(text)
+    if depth > MAX_DEPTH:
+        raise SpecError(
+            ErrorCode.spec_too_deep, f"{field} nests {depth} groups; the limit is {MAX_DEPTH}"
+        )
+    if field == "regex":
+        return "regex", text, warnings
+    syntax = spec.grammar_syntax
+    if syntax == "auto":
+        syntax = "ebnf" if "::=" in text else "lark"
+    return syntax, text, warnings
+
+
+def grammar_key(kind: str, text: str, any_whitespace: bool, strict_mode: bool, vocab: str) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in (kind, text, f"ws={int(any_whitespace)}", f"strict={int(strict_mode)}", vocab):
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return h.digest()
+
+
+def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> GrammarSpec:
+    """Validate a spec and compute its grammar key.
+
+    Parameters
+    ----------
+    raw:
+        A ``StructuredOutputSpec``, a mapping with its fields (a workload's
+        ``structured_outputs``), or its JSON text.
+    config:
+        Limits and defaults (``max_spec_bytes``, ``any_whitespace``, ...).
+    vocab:
+        Vocabulary name, part of the key because compiled grammars are
+        vocabulary-specific.
+
+    Returns
+    -------
+    GrammarSpec
+
+    Raises
+    ------
+    SpecError
+        The spec is malformed, hostile, or uses features that would not be
+        enforced. ``code`` is stable; ``message`` says how to fix it.
+    """
+    try:
+        spec = _as_spec(raw)
+        field = _pick_kind(spec)
+        kind, text, warnings = _kind_and_text(spec, field, config)
+    except RecursionError as exc:
+        raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
+    any_ws = config.any_whitespace
+    if spec.disable_any_whitespace is not None:
+        any_ws = not spec.disable_any_whitespace
+    if spec.any_whitespace is not None:
+        any_ws = spec.any_whitespace
+    strict = config.strict_mode
+    if spec.disable_additional_properties is not None:
+        strict = spec.disable_additional_properties
+    if spec.strict_mode is not None:
+        strict = spec.strict_mode
+    # Options only matter for JSON; normalizing them elsewhere keeps one key
+    # per grammar.
+    if kind not in ("json", "json_object"):
+        any_ws, strict = True, True
+    key = grammar_key(kind, text, any_ws, strict, vocab)
+    return GrammarSpec(
+        kind=kind,
+        text=text,
+        any_whitespace=any_ws,
+        strict_mode=strict,
+        key=key,
+        warnings=tuple(warnings),
+    )
