@@ -1,0 +1,256 @@
+"""GrammarManager paths: miss, hit, joined, poisoned, timeout, saturation, sync."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from coordinator.status import Decision, PendingState, PoisonRecord
+from rank_worker.compile_service import XGrammarBackend
+from rank_worker.config import GrammarConfig
+from rank_worker.errors import ErrorCode
+from rank_worker.manager import GrammarManager
+from rank_worker.spec import validate_spec
+
+SCHEMA_A = {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+SCHEMA_B = {"json": {"type": "object", "properties": {"b": {"type": "string"}}}}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class GatedBackend:
+    """The real xgrammar backend, but each compile waits for a gate.
+
+    Lets tests hold a compile "running" as long as they like, without
+    sleeping, and count how many compiles really ran.
+    """
+
+    def __init__(self, tokenizer, *, fail_on: str | None = None) -> None:
+        self.real = XGrammarBackend(tokenizer)
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def __call__(self, spec):
+        self.calls += 1
+        self.started.release()
+        assert self.gate.wait(30), "test never opened the gate"
+        if self.fail_on and self.fail_on in spec.text:
+            raise RuntimeError("injected compile failure")
+        return self.real(spec)
+
+
+def make(tokenizer, backend=None, **cfg):
+    clock, wall = FakeClock(), [10_000]
+    manager = GrammarManager(
+        GrammarConfig(**cfg),
+        tokenizer,
+        compile_fn=backend,
+        clock=clock,
+        wall_ms=lambda: wall[0],
+    )
+    return manager, clock, wall
+
+
+def drain(manager, limit_s: float = 20.0):
+    """Step until the window is empty (real compiles finish quickly)."""
+    out, end = [], time.monotonic() + limit_s
+    while manager.num_pending or manager.num_waiting:
+        out += manager.step()
+        assert time.monotonic() < end, "requests never settled"
+        time.sleep(0.002)
+    return out
+
+
+def test_miss_then_hit(tiny_tokenizer):
+    m, _, _ = make(tiny_tokenizer)
+    first = m.add("r1", SCHEMA_A)
+    assert (first.status, first.cache) == ("pending", "miss")
+    [done] = drain(m)
+    assert done.status == "admitted" and done.compile_ms > 0
+    again = m.add("r2", SCHEMA_A)
+    assert again.cache == "hit"
+    assert m.local_status().states == (int(PendingState.READY),)
+    [hit] = m.step()
+    assert hit.status == "admitted" and hit.cache == "hit"
+    matcher = m.matcher("r2")
+    assert matcher.accept_string('{"a": 12}') and matcher.is_completed()
+    assert m.service.num_compiles == 1
+
+
+def test_joined_compiles_once(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, _, _ = make(tiny_tokenizer, backend)
+    outcomes = [m.add(f"r{i}", SCHEMA_A) for i in range(5)]
+    assert [o.cache for o in outcomes] == ["miss"] + ["joined"] * 4
+    backend.gate.set()
+    done = drain(m)
+    assert [o.status for o in done] == ["admitted"] * 5
+    assert [o.seq for o in done] == [0, 1, 2, 3, 4]
+    assert backend.calls == 1
+
+
+def test_invalid_compile_poisons_permanently(tiny_tokenizer):
+    m, _, _ = make(tiny_tokenizer)
+    bad = {"grammar": "root ::= undefined_rule"}
+    m.add("r1", bad)
+    [failed] = drain(m)
+    assert failed.status == "failed" and failed.code == "grammar_invalid"
+    [rec] = m.new_failures()
+    assert rec.reason == ErrorCode.grammar_invalid
+    compiles = m.service.num_compiles
+    repeat = m.add("r2", bad)
+    assert (repeat.status, repeat.cache, repeat.code) == ("failed", "poisoned", "grammar_invalid")
+    assert m.num_pending == 0 and m.service.num_compiles == compiles
+
+
+def test_timeout_poisons_with_ttl(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, clock, wall = make(
+        tiny_tokenizer, backend, compile_timeout_s=5, poison_ttl_s=60, num_compile_workers=2
+    )
+    m.add("slow", SCHEMA_A)
+    assert backend.started.acquire(timeout=10)
+    assert m.step() == []  # running, within its deadline
+    clock.t += 6
+    [failed] = m.step()
+    assert (failed.status, failed.code) == ("failed", "grammar_timeout")
+    # The late result is dropped, not cached.
+    backend.gate.set()
+    repeat = m.add("again", SCHEMA_A)
+    assert (repeat.cache, repeat.code) == ("poisoned", "grammar_timeout")
+    # TTL runs on the agreed clock: expiry is decided at a decision point.
+    wall[0] += 61_000
+    m.apply_decision(Decision(step=1, clock_ms=wall[0]))
+    fresh = m.add("fresh", SCHEMA_A)
+    assert fresh.cache == "miss"
+    assert drain(m)[0].status == "admitted"
+
+
+def test_saturation_fails_fast_and_recovers(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, clock, _ = make(tiny_tokenizer, backend, compile_timeout_s=5, num_compile_workers=1)
+    m.add("stuck", SCHEMA_A)
+    assert backend.started.acquire(timeout=10)
+    m.add("queued", SCHEMA_B)  # waits behind the stuck compile
+    clock.t += 6
+    outcomes = {o.request_id: o for o in m.step()}
+    assert outcomes["stuck"].code == "grammar_timeout"
+    assert outcomes["queued"].code == "grammar_pool_saturated"
+    assert m.service.num_stuck() == 1
+    new = m.add("new", {"regex": "[a-z]+"})
+    [fast] = m.step()
+    assert (new.cache, fast.code) == ("miss", "grammar_pool_saturated")
+    # Saturation is not the spec's fault: no poison.
+    new_key = validate_spec({"regex": "[a-z]+"}, m.config, vocab="tiny").key
+    assert m.poison.get(new_key, m.agreed_ms) is None
+    backend.gate.set()
+    end = time.monotonic() + 10
+    while m.service.num_stuck():
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    m.add("later", {"regex": "[a-z]+"})
+    assert drain(m)[0].status == "admitted"
+
+
+def test_sync_mode_compiles_inline_without_timeout(tiny_tokenizer):
+    m, clock, _ = make(tiny_tokenizer, compile_mode="sync", compile_timeout_s=0.001)
+    out = m.add("r1", SCHEMA_A)
+    assert out.status == "pending"
+    assert m.local_status().states == (int(PendingState.READY),)
+    clock.t += 100
+    [done] = m.step()
+    assert done.status == "admitted"
+
+
+def test_pending_window_overflow_waits(tiny_tokenizer):
+    m, _, _ = make(tiny_tokenizer, compile_mode="sync", max_pending=2)
+    outs = [m.add(f"r{i}", {"regex": f"a{{{i + 1}}}"}) for i in range(5)]
+    assert [o.status for o in outs] == ["pending", "pending", "waiting", "waiting", "waiting"]
+    assert m.num_pending == 2 and m.num_waiting == 3
+    done = drain(m)
+    assert [o.request_id for o in done] == [f"r{i}" for i in range(5)]
+
+
+def test_abort_pending_and_waiting(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, _, _ = make(tiny_tokenizer, backend, max_pending=1)
+    m.add("a", SCHEMA_A)
+    m.add("b", SCHEMA_B)
+    assert m.abort("b") and m.num_waiting == 0
+    assert m.abort("a") and m.num_pending == 0
+    assert not m.abort("a")
+    backend.gate.set()
+    assert m.step() == []
+
+
+def test_decision_order_and_failed_wins(tiny_tokenizer):
+    m, _, _ = make(tiny_tokenizer, compile_mode="sync")
+    for i in range(4):
+        m.add(f"r{i}", {"regex": f"b{{{i + 1}}}"})
+    # A decision from the group: seq 1 failed elsewhere (timeout), even
+    # though it is ready here; 3 stays pending.
+    out = m.apply_decision(Decision(step=1, ready=(2, 0, 1), failed=((1, 21),), clock_ms=5))
+    assert [(o.seq, o.status) for o in out] == [(0, "admitted"), (1, "failed"), (2, "admitted")]
+    assert out[1].code == "grammar_timeout" and "another rank" in out[1].message
+    assert m.local_status().seqs == (3,)
+    [rec] = m.new_failures()
+    assert rec.clock_ms == 5
+
+
+def test_shared_poison_fails_pending_and_new(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, _, _ = make(tiny_tokenizer, backend)
+    m.add("r1", SCHEMA_A)
+    key = m._pending[0].spec.key
+    m.apply_poison([PoisonRecord(key, int(ErrorCode.grammar_invalid), 0)])
+    assert m.local_status().states == (int(PendingState.FAILED),)
+    [failed] = m.step()
+    assert failed.code == "grammar_invalid"
+    assert m.add("r2", SCHEMA_A).cache == "poisoned"
+    backend.gate.set()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(None, id="none"),
+        pytest.param(
+            {"json": {"type": "object", "properties": {"a": {"type": 5}}}}, id="bad-type-keyword"
+        ),
+        pytest.param({"regex": "(unclosed"}, id="bad-regex"),
+        pytest.param({"structural_tag": {"type": "nonsense"}}, id="bad-structural-tag"),
+        pytest.param({"grammar": "start: undefined"}, id="bad-lark"),
+        pytest.param({"json": "[" * 5000}, id="json-bomb"),
+        pytest.param(object(), id="not-a-mapping"),
+    ],
+)
+def test_bad_input_never_raises(tiny_tokenizer, spec):
+    m, _, _ = make(tiny_tokenizer)
+    first = m.add("r", spec)
+    outcomes = [first] if first.status == "failed" else drain(m)
+    assert outcomes[0].status == "failed" and outcomes[0].code
+    assert m.add("ok", {"regex": "x"}).status == "pending"
+
+
+def test_real_vocab_special_tokens_never_allowed(qwen_tokenizer):
+    m, _, _ = make(qwen_tokenizer, compile_mode="sync")
+    m.add("r", {"json": {"type": "string"}})
+    m.step()
+    import xgrammar as xgr
+
+    matcher = m.matcher("r")
+    mask = xgr.allocate_token_bitmask(1, qwen_tokenizer.vocab_size)
+    matcher.accept_string('"')
+    matcher.fill_next_token_bitmask(mask)
+    im_start = qwen_tokenizer.special_ids["<|im_start|>"]
+    assert not (mask[0, im_start // 32] >> (im_start % 32)) & 1

@@ -1,0 +1,255 @@
+"""Spec validation: every rejection rule, warnings, and canonical keys."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rank_worker.config import GrammarConfig
+from rank_worker.errors import ErrorCode, SpecError
+from rank_worker.spec import MAX_DEPTH, MAX_VALUES, StructuredOutputSpec, validate_spec
+
+CFG = GrammarConfig()
+
+
+def _nested(depth: int) -> dict:
+    node: dict = {"type": "string"}
+    for _ in range(depth):
+        node = {"type": "array", "items": node}
+    return node
+
+
+@pytest.mark.parametrize(
+    ("spec", "code"),
+    [
+        pytest.param({}, ErrorCode.spec_no_kind, id="no-kind"),
+        pytest.param(
+            {"regex": "a", "choice": ["a"]}, ErrorCode.spec_multiple_kinds, id="two-kinds"
+        ),
+        pytest.param({"choice": []}, ErrorCode.spec_empty_choice, id="empty-choice"),
+        pytest.param({"grammar": "   \n"}, ErrorCode.spec_blank, id="blank-grammar"),
+        pytest.param({"json": "  "}, ErrorCode.spec_blank, id="blank-json"),
+        pytest.param({"structural_tag": "{}"}, ErrorCode.spec_blank, id="blank-structural-tag"),
+        pytest.param({"regex": ""}, ErrorCode.spec_blank, id="blank-regex"),
+        pytest.param(
+            {"json_object": False}, ErrorCode.spec_json_object_false, id="json-object-false"
+        ),
+        pytest.param({"regex": "ab\x00c"}, ErrorCode.spec_regex_nul, id="regex-nul"),
+        pytest.param({"json": _nested(MAX_DEPTH)}, ErrorCode.spec_too_deep, id="schema-too-deep"),
+        pytest.param(
+            {"json": "[" * 100_000 + "]" * 100_000}, ErrorCode.spec_too_deep, id="json-text-bomb"
+        ),
+        pytest.param(
+            {"regex": "(" * 65 + "a" + ")" * 65}, ErrorCode.spec_too_deep, id="regex-too-deep"
+        ),
+        pytest.param(
+            {"grammar": "root ::= " + "(" * 70 + '"a"' + ")" * 70},
+            ErrorCode.spec_too_deep,
+            id="grammar-too-deep",
+        ),
+        pytest.param({"regex": "a" * (2 << 20)}, ErrorCode.spec_too_large, id="too-large"),
+        pytest.param(
+            {"json": {"enum": list(range(MAX_VALUES + 1))}},
+            ErrorCode.spec_too_many_values,
+            id="giant-enum",
+        ),
+        pytest.param(
+            {"choice": ["x"] * (MAX_VALUES + 1)}, ErrorCode.spec_too_many_values, id="giant-choice"
+        ),
+        pytest.param({"json": "{not json"}, ErrorCode.spec_bad_json, id="bad-json-text"),
+        pytest.param({"json": 42}, ErrorCode.spec_bad_json, id="schema-not-object"),
+        pytest.param({"json": False}, ErrorCode.spec_bad_json, id="schema-false"),
+        pytest.param(
+            {"json": {"$ref": "#/definitions/missing"}},
+            ErrorCode.spec_bad_json,
+            id="broken-local-ref",
+        ),
+        pytest.param({"regex": 7}, ErrorCode.spec_bad_type, id="regex-not-string"),
+        pytest.param({"choice": "abc"}, ErrorCode.spec_bad_type, id="choice-not-list"),
+        pytest.param({"jsn": {}}, ErrorCode.spec_bad_type, id="unknown-field"),
+        pytest.param("not json", ErrorCode.spec_bad_json, id="spec-text-not-json"),
+        pytest.param([1, 2], ErrorCode.spec_bad_type, id="spec-not-object"),
+    ],
+)
+def test_rejections(spec, code):
+    with pytest.raises(SpecError) as info:
+        validate_spec(spec, CFG)
+    assert info.value.code is code
+    assert info.value.message  # actionable text, not just a code
+
+
+IGNORED = [
+    pytest.param({"type": "number", "multipleOf": 0.5}, "multipleOf", id="multipleOf-number"),
+    pytest.param({"type": "array", "uniqueItems": True}, "uniqueItems", id="uniqueItems"),
+    pytest.param({"type": "array", "contains": {"type": "integer"}}, "contains", id="contains"),
+    pytest.param({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", id="allOf-2"),
+    pytest.param({"type": "string", "format": "idn-email"}, "format", id="unknown-format"),
+    pytest.param(
+        {"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength", id="pattern+len"
+    ),
+    pytest.param(
+        {"type": "string", "format": "email", "minLength": 3}, "minLength", id="format+len"
+    ),
+    pytest.param(
+        {"type": "object", "properties": {"deep": {"type": "array", "uniqueItems": True}}},
+        "$.properties.deep",
+        id="nested-path",
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "needle"), IGNORED)
+def test_ignored_features_rejected(schema, needle):
+    with pytest.raises(SpecError) as info:
+        validate_spec({"json": schema}, CFG)
+    assert info.value.code is ErrorCode.schema_unsupported_feature
+    assert needle in info.value.message
+    assert "reject_ignored_features" in info.value.message
+
+
+@pytest.mark.parametrize(("schema", "needle"), IGNORED)
+def test_ignored_features_downgrade_to_warning(schema, needle):
+    spec = validate_spec({"json": schema}, GrammarConfig(reject_ignored_features=False))
+    assert any(w.startswith("ignored_feature") and needle in w for w in spec.warnings)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        pytest.param({"type": "integer", "multipleOf": 3}, id="multipleOf-integer"),
+        pytest.param({"type": "array", "uniqueItems": False}, id="uniqueItems-false"),
+        pytest.param({"allOf": [{"type": "integer"}]}, id="allOf-1"),
+        pytest.param({"type": "string", "format": "date-time"}, id="supported-format"),
+        pytest.param({"type": "string", "maxLength": 3}, id="plain-length"),
+        pytest.param({"enum": [{"uniqueItems": True}]}, id="keyword-inside-data"),
+    ],
+)
+def test_enforced_features_pass(schema):
+    assert validate_spec({"json": schema}, CFG).warnings == ()
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        pytest.param("https://example.com/schema.json", id="remote"),
+        pytest.param("other.json#/definitions/a", id="relative-file"),
+    ],
+)
+def test_unresolvable_ref_warns(ref):
+    spec = validate_spec({"json": {"type": "object", "properties": {"a": {"$ref": ref}}}}, CFG)
+    assert any(w.startswith("unconstrained_ref") and ref in w for w in spec.warnings)
+
+
+def test_local_ref_is_fine():
+    schema = {"$defs": {"s": {"type": "string"}}, "properties": {"a": {"$ref": "#/$defs/s"}}}
+    assert validate_spec({"json": schema}, CFG).warnings == ()
+
+
+def test_key_ignores_keyword_order_and_whitespace():
+    a = {
+        "type": "object",
+        "required": ["x"],
+        "properties": {"x": {"type": "string", "minLength": 1}},
+    }
+    b_text = '{ "properties" : {"x": {"minLength":1, "type":"string"}},\n "required":["x"], "type":"object"}'
+    ka = validate_spec({"json": a}, CFG)
+    kb = validate_spec({"json": b_text}, CFG)
+    assert ka.key == kb.key and ka.text == kb.text and len(ka.key) == 16
+
+
+def test_key_keeps_property_order():
+    # Property order is output order in xgrammar, so it is part of the key.
+    a = {"type": "object", "properties": {"x": {}, "y": {}}}
+    b = {"type": "object", "properties": {"y": {}, "x": {}}}
+    assert validate_spec({"json": a}, CFG).key != validate_spec({"json": b}, CFG).key
+    assert json.loads(validate_spec({"json": b}, CFG).text)["properties"] == {"y": {}, "x": {}}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        pytest.param({"regex": "a+"}, {"regex": "a+"}, True, id="same-regex"),
+        pytest.param({"regex": "a+"}, {"regex": "a+ "}, False, id="regex-whitespace-matters"),
+        pytest.param({"json": {}}, {"json": {}, "any_whitespace": False}, False, id="json-options"),
+        pytest.param(
+            {"regex": "a"},
+            {"regex": "a", "any_whitespace": False},
+            True,
+            id="regex-ignores-options",
+        ),
+        pytest.param(
+            {"json": {}}, {"json": {}, "disable_any_whitespace": True}, False, id="vllm-spelling"
+        ),
+        pytest.param({"choice": ["a", "b"]}, {"choice": ["b", "a"]}, False, id="choice-order"),
+        pytest.param(
+            {"grammar": 'root ::= "a"'},
+            {"grammar": 'root ::= "a"', "grammar_syntax": "lark"},
+            False,
+            id="syntax",
+        ),
+    ],
+)
+def test_key_table(a, b, same):
+    assert (validate_spec(a, CFG).key == validate_spec(b, CFG).key) is same
+
+
+def test_key_depends_on_vocab():
+    assert (
+        validate_spec({"regex": "a"}, CFG, vocab="x").key
+        != validate_spec({"regex": "a"}, CFG, vocab="y").key
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind"),
+    [
+        pytest.param({"grammar": 'root ::= "a"'}, "ebnf", id="ebnf"),
+        pytest.param({"grammar": 'start: "a"'}, "lark", id="lark"),
+        pytest.param({"json_object": True}, "json_object", id="json-object"),
+        pytest.param({"choice": ["a"]}, "choice", id="choice"),
+        pytest.param(StructuredOutputSpec(regex="a"), "regex", id="struct-input"),
+        pytest.param(b'{"regex": "a"}', "regex", id="bytes-input"),
+        pytest.param({"json": True}, "json", id="schema-true"),
+    ],
+)
+def test_kinds(spec, kind):
+    assert validate_spec(spec, CFG).kind == kind
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["json", "regex", "choice", "grammar", "json_object", "structural_tag", "x"]
+        ),
+        json_values,
+        max_size=3,
+    )
+)
+def test_fuzzed_specs_only_raise_spec_error(spec):
+    try:
+        out = validate_spec(spec, CFG)
+    except SpecError as exc:
+        assert isinstance(exc.code, ErrorCode) and exc.message
+        return
+    assert len(out.key) == 16 and out.kind in (
+        "json",
+        "regex",
+        "choice",
+        "ebnf",
+        "lark",
+        "json_object",
+        "structural_tag",
+    )
