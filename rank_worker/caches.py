@@ -81,7 +81,7 @@ class CompileCache:
             self.evictions += 1
         return True
 
-    def keys(self) -> list[bytes]:
+    def lru_order(self) -> list[bytes]:
         """Keys, least recently used first."""
         return list(self._items)
 

@@ -34,7 +34,7 @@ def test_lru(max_bytes, max_entries, sizes, touch, kept):
         assert cache.get(k(touch)) is not None
     for i, size in enumerate(sizes[2:], start=2):
         cache.put(k(i), Blob(size))
-    assert sorted(int.from_bytes(x, "big") for x in cache.keys()) == kept
+    assert sorted(int.from_bytes(x, "big") for x in cache.lru_order()) == kept
     assert cache.bytes == sum(sizes[i] for i in kept) <= max_bytes
 
 
