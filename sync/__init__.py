@@ -1,0 +1,56 @@
+"""Moving bitmasks from a stage leader to its tensor-parallel workers.
+
+The writer (stage leader) owns a :class:`BitmaskChannel`: a shared-memory
+:class:`BitmaskRing` of slots plus a zmq control plane. Each TP worker joins
+with a :class:`BitmaskReceiver` built from the channel's
+:class:`ChannelHandle`. Workers on the leader's host read slots in place;
+workers elsewhere get the same bytes as raw zmq frames. Nothing is pickled.
+"""
+
+from sync.channel import BitmaskChannel, ChannelHandle
+from sync.config import TransportConfig
+from sync.errors import (
+    ChannelClosed,
+    HandshakeError,
+    PeerGone,
+    ProtocolError,
+    TransportError,
+    TransportTimeout,
+    WriterLost,
+)
+from sync.messages import (
+    PROTOCOL_VERSION,
+    BitmaskFrame,
+    BitmaskReady,
+    Bye,
+    Hello,
+    Release,
+    Shutdown,
+    Welcome,
+)
+from sync.receiver import BitmaskReceiver
+from sync.ring import BitmaskRing, RingHandle
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "BitmaskChannel",
+    "BitmaskFrame",
+    "BitmaskReady",
+    "BitmaskReceiver",
+    "BitmaskRing",
+    "Bye",
+    "ChannelClosed",
+    "ChannelHandle",
+    "HandshakeError",
+    "Hello",
+    "PeerGone",
+    "ProtocolError",
+    "Release",
+    "RingHandle",
+    "Shutdown",
+    "TransportConfig",
+    "TransportError",
+    "TransportTimeout",
+    "Welcome",
+    "WriterLost",
+]

@@ -15,5 +15,8 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     num_slots: Annotated[int, Meta(ge=1, le=64)] = 4
     # Seconds a writer waits for a free slot (or a reader for a step).
     timeout_s: Annotated[float, Meta(gt=0)] = 10.0
+    # Seconds the writer waits for every reader's hello (and a reader for the
+    # writer's answer); kept apart from timeout_s because start-up is slow.
+    handshake_timeout_s: Annotated[float, Meta(gt=0)] = 60.0
     # Interface for tcp endpoints; loopback unless set.
     interface: str = "127.0.0.1"

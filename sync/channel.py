@@ -1,0 +1,452 @@
+"""The writer's end of the bitmask transport: a ring plus a control plane.
+
+A stage leader builds one :class:`BitmaskChannel` naming its TP workers,
+hands :attr:`BitmaskChannel.handle` to them (it is a small msgspec Struct:
+encode it, broadcast it, or pickle it) and calls :meth:`~BitmaskChannel.accept`.
+Each worker builds a :class:`~sync.receiver.BitmaskReceiver` from the
+handle. Then, every step::
+
+    leader:  channel.publish(step, mask, request_ids, num_drafts)
+    worker:  view, request_ids, num_drafts = receiver.receive(step)
+             ... apply view to the logits ...
+             receiver.release(step)
+
+Readers on the leader's host read the ring slot in place; readers elsewhere
+(or every reader with ``transport: tcp``) get the same bytes as one raw zmq
+frame. The leader blocks only when the slowest reader is ``num_slots``
+steps behind, and then for at most ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from sync.config import TransportConfig
+from sync.control import ControlServer, choose_mode, local_hostname, pid_alive
+from sync.errors import HandshakeError, PeerGone, TransportError, TransportTimeout, quote_names
+from sync.messages import (
+    PROTOCOL_VERSION,
+    READER_NAME_PATTERN,
+    BitmaskFrame,
+    BitmaskReady,
+    Bye,
+    Hello,
+    ReaderMessage,
+    Release,
+    Shutdown,
+    Welcome,
+    valid_reader_name,
+)
+from sync.ring import BitmaskRing, RingHandle
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BitmaskChannel", "ChannelHandle"]
+
+# How often a waiting writer checks whether lagging local readers still live.
+_LIVENESS_EVERY_S = 0.1
+
+
+class ChannelHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a reader needs to join a channel; picklable and msgspec-encodable."""
+
+    # PROTOCOL_VERSION of the writer.
+    version: int
+    # Run id (also in the segment and directory names).
+    run_id: str
+    # TransportConfig.kind of the writer; readers choose their endpoint with it.
+    kind: Literal["auto", "shm", "tcp"]
+    # The writer's host name.
+    hostname: str
+    # The writer's pid.
+    pid: int
+    # Vocabulary size of the masks; rows are ceil(vocab_size / 32) words.
+    vocab_size: int
+    # Endpoint for readers on the writer's host.
+    ipc_endpoint: str
+    # Endpoint for the others; None with kind "shm".
+    tcp_endpoint: str | None
+    # The ring's segment and shape.
+    ring: RingHandle
+    # Seconds a reader waits for a step before giving up.
+    timeout_s: float
+    # Seconds a reader waits for the writer's answer to its hello.
+    handshake_timeout_s: float
+
+
+@dataclasses.dataclass
+class _Peer:
+    name: str
+    mode: Literal["shm", "tcp"]
+    pid: int
+    local: bool
+    gone: str | None = None
+
+
+class BitmaskChannel:
+    """Writer's end: publishes one bitmask per step to a fixed set of readers.
+
+    Parameters
+    ----------
+    readers
+        Distinct reader names (``[A-Za-z0-9_.:-]``, at most 64 characters),
+        e.g. ``["tp1", "tp2", "tp3"]``.
+    vocab_size
+        Padded model vocabulary; each row has ``ceil(vocab_size / 32)``
+        int32 words.
+    max_rows
+        Rows per step at most: ``max_num_seqs * (1 + num_speculative_tokens)``.
+    config
+        Transport settings; defaults to ``TransportConfig()``.
+    run_id
+        Run id for the segment and directory names; random when None.
+    label
+        Distinguishes several channels of one run (e.g. one per stage).
+
+    Notes
+    -----
+    One thread uses a channel at a time. Close it (or use ``with``) to send
+    ``Shutdown`` to the readers and remove the segment and the ipc directory;
+    ``atexit``, signal handlers and a reaper process remove them in every
+    other exit path.
+    """
+
+    def __init__(
+        self,
+        *,
+        readers: Sequence[str],
+        vocab_size: int,
+        max_rows: int,
+        config: TransportConfig | None = None,
+        run_id: str | None = None,
+        label: str = "ring",
+    ) -> None:
+        self._config = config or TransportConfig()
+        self._names = tuple(readers)
+        bad = [n for n in self._names if not valid_reader_name(n)]
+        if bad or not self._names:
+            raise ValueError(
+                f"need reader names matching {READER_NAME_PATTERN}, got {list(self._names)}"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self._vocab_size = vocab_size
+        self._width = math.ceil(vocab_size / 32)
+        self._host = local_hostname()
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+        run_id = run_id or secrets.token_hex(4)
+        self._ring = BitmaskRing.create(
+            run_id=run_id,
+            readers=self._names,
+            max_rows=max_rows,
+            width=self._width,
+            num_slots=self._config.num_slots,
+            label=label,
+        )
+        try:
+            self._control = ControlServer(
+                run_id=run_id, interface=self._config.interface, tcp=self._config.kind != "shm"
+            )
+        except BaseException:
+            self._ring.close()
+            raise
+        self._handle = ChannelHandle(
+            version=PROTOCOL_VERSION,
+            run_id=run_id,
+            kind=self._config.kind,
+            hostname=self._host,
+            pid=os.getpid(),
+            vocab_size=vocab_size,
+            ipc_endpoint=self._control.ipc_endpoint,
+            tcp_endpoint=self._control.tcp_endpoint,
+            ring=self._ring.handle,
+            timeout_s=self._config.timeout_s,
+            handshake_timeout_s=self._config.handshake_timeout_s,
+        )
+        self._next_liveness = 0.0
+
+    @property
+    def handle(self) -> ChannelHandle:
+        """What readers need to connect; send it to them out of band."""
+        return self._handle
+
+    @property
+    def ring(self) -> BitmaskRing:
+        """The shared-memory ring (for inspection; publish through the channel)."""
+        return self._ring
+
+    @property
+    def control(self) -> ControlServer:
+        """The control socket (for inspection and fault-injection tests)."""
+        return self._control
+
+    @property
+    def modes(self) -> dict[str, str]:
+        """``{reader: "shm" | "tcp"}`` for every reader that said hello."""
+        return {name: peer.mode for name, peer in self._peers.items()}
+
+    @property
+    def dropped(self) -> int:
+        """Control frames dropped as malformed, unknown or spoofed."""
+        return self._control.dropped
+
+    def accept(self, timeout: float | None = None) -> dict[str, str]:
+        """Wait until every reader said hello; return their modes.
+
+        Parameters
+        ----------
+        timeout
+            Seconds; ``config.handshake_timeout_s`` when None.
+
+        Returns
+        -------
+        dict
+            ``{reader: "shm" | "tcp"}``.
+
+        Raises
+        ------
+        TransportTimeout
+            Naming the readers that never said hello.
+        HandshakeError
+            If a reader speaks another protocol version or vocabulary size,
+            or cannot use the configured transport.
+        """
+        timeout = self._config.handshake_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while missing := [n for n in self._names if n not in self._peers]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportTimeout(
+                    f"reader(s) {quote_names(missing)} never said hello within {timeout:g} s "
+                    f"(arrived: {quote_names(self._peers) or 'none'})",
+                    peers=missing,
+                )
+            self._pump(min(remaining, 0.1))
+        return self.modes
+
+    def acquire(self, rows: int, timeout: float | None = None) -> np.ndarray:
+        """Writable view of the next slot, to fill in place before :meth:`publish`.
+
+        Raises
+        ------
+        TransportTimeout
+            If a reader still holds the slot after ``timeout`` (default
+            ``config.timeout_s``); names it.
+        PeerGone
+            If a reader that holds the slot died or left.
+        """
+        self._check_open()
+        if len(self._peers) < len(self._names):
+            self.accept()
+        timeout = self._config.timeout_s if timeout is None else timeout
+        return self._ring.acquire_write(rows, timeout, self._on_wait)
+
+    def publish(
+        self,
+        step: int,
+        array: np.ndarray,
+        order: Sequence[str],
+        drafts: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Publish the bitmask rows of ``step`` to every reader.
+
+        Parameters
+        ----------
+        step
+            Engine step, >= 0 and greater than the previous one.
+        array
+            int32 ``[rows, ceil(vocab_size / 32)]``. If it is the view from
+            :meth:`acquire` it is published in place; otherwise it is copied
+            into the next slot.
+        order
+            Request ids in scheduling order.
+        drafts
+            Draft-token count per request, aligned with ``order``.
+        timeout
+            Seconds to wait for a free slot; ``config.timeout_s`` when None.
+
+        Returns
+        -------
+        int
+            The slot used.
+
+        Raises
+        ------
+        TransportTimeout
+            If a reader did not release the slot in time; names it.
+        PeerGone
+            If a reader died or left.
+        ValueError
+            On a wrong shape, dtype, order/drafts mismatch or non-increasing step.
+        """
+        if array.ndim != 2 or array.shape[1] != self._width or array.dtype != np.int32:
+            raise ValueError(
+                f"expected int32 [rows, {self._width}], got {array.dtype} {list(array.shape)}"
+            )
+        order = tuple(order)
+        drafts = tuple(int(d) for d in drafts)
+        if (
+            len(order) != len(drafts)
+            or not all(type(r) is str for r in order)
+            or min(drafts, default=0) < 0
+        ):
+            raise ValueError(
+                "order must be request-id strings aligned with non-negative draft counts"
+            )
+        for peer in self._peers.values():
+            if peer.gone is not None:
+                raise PeerGone(f"reader {peer.name!r} left: {peer.gone}", peers=[peer.name])
+        view = self.acquire(array.shape[0], timeout)
+        if view.ctypes.data != array.ctypes.data:
+            np.copyto(view, array)
+        slot = self._ring.publish(step)
+        rows = array.shape[0]
+        ready = frame = b""
+        for peer in self._peers.values():
+            if peer.mode == "shm":
+                ready = ready or self._control.encode(BitmaskReady(step, slot, rows, order, drafts))
+                self._control.send(peer.name, ready)
+            else:
+                frame = frame or self._control.encode(
+                    BitmaskFrame(step, rows, self._width, order, drafts)
+                )
+                # Zero-copy from the slot: safe because the slot is not
+                # rewritten before this reader's Release arrives.
+                self._control.send(peer.name, frame, data=view)
+        self._pump(0)
+        return slot
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every reader released every published step.
+
+        Raises
+        ------
+        TransportTimeout
+            Naming the readers still holding a step.
+        PeerGone
+            If one of them died or left.
+        """
+        self._check_open()
+        timeout = self._config.timeout_s if timeout is None else timeout
+        self._ring.wait_released(self._ring.last_step, timeout, self._on_wait)
+
+    def close(self, reason: str = "writer closed the channel") -> None:
+        """Send ``Shutdown`` to the readers, remove the segment and the directory.
+
+        Idempotent. Readers' views stay valid until they drop them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            payload = self._control.encode(Shutdown(reason))
+            for peer in self._peers.values():
+                if peer.gone is None:
+                    try:
+                        self._control.send(peer.name, payload)
+                    except TransportError as exc:
+                        logger.debug("no shutdown for %s: %s", peer.name, exc)
+        finally:
+            try:
+                self._control.close()
+            finally:
+                self._ring.close()
+
+    def __enter__(self) -> BitmaskChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Internals ---------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("the channel is closed")
+
+    def _on_wait(self, lagging: tuple[str, ...], pause: float) -> None:
+        self._pump(pause)
+        now = time.monotonic()
+        if now < self._next_liveness:
+            return
+        self._next_liveness = now + _LIVENESS_EVERY_S
+        for name in lagging:
+            peer = self._peers.get(name)
+            if peer is None:
+                continue
+            if peer.gone is not None:
+                raise PeerGone(f"reader {name!r} left: {peer.gone}", peers=[name])
+            if peer.local and not pid_alive(peer.pid):
+                raise PeerGone(f"reader {name!r} (pid {peer.pid}) died", peers=[name])
+
+    def _pump(self, timeout: float) -> None:
+        """Handle every queued reader message, waiting up to ``timeout`` for the first."""
+        while (got := self._control.recv(timeout)) is not None:
+            self._handle_message(*got)
+            timeout = 0
+
+    def _handle_message(self, sender: str, message: ReaderMessage) -> None:
+        if sender not in self._names:
+            self._control.reject(f"message from unknown reader {sender!r}")
+            if isinstance(message, Hello):
+                self._bye(sender, f"unknown reader; this channel serves {quote_names(self._names)}")
+            return
+        match message:
+            case Release(step=step):
+                self._ring.set_released(sender, step)
+            case Hello():
+                self._hello(sender, message)
+            case Bye(reason=reason):
+                logger.info("reader %s said bye: %s", sender, reason)
+                if sender in self._peers:
+                    self._peers[sender].gone = f"said bye ({reason})"
+
+    def _hello(self, sender: str, hello: Hello) -> None:
+        known = self._peers.get(sender)
+        if known is not None and known.pid != hello.pid:
+            known.gone = f"restarted (pid {known.pid} -> {hello.pid})"
+            return
+        problem = None
+        mode = choose_mode(self._config.kind, self._host, hello.hostname)
+        if hello.version != PROTOCOL_VERSION:
+            problem = f"protocol version {hello.version}, writer speaks {PROTOCOL_VERSION}"
+        elif hello.vocab_size != self._vocab_size:
+            problem = f"vocab_size {hello.vocab_size}, writer's masks are for {self._vocab_size}"
+        elif mode is None:
+            problem = (
+                f"transport 'shm' but the reader is on {hello.hostname!r}, writer on {self._host!r}"
+            )
+        if problem is not None:
+            self._bye(sender, problem)
+            raise HandshakeError(f"reader {sender!r} rejected: {problem}", peers=[sender])
+        assert mode is not None
+        local = hello.hostname == self._host
+        self._peers[sender] = _Peer(sender, mode, hello.pid, local)
+        index = self._names.index(sender)
+        welcome = Welcome(PROTOCOL_VERSION, self._vocab_size, index, mode)
+        self._control.send(sender, self._control.encode(welcome))
+        logger.debug(
+            "reader %s (pid %s on %s) joined via %s", sender, hello.pid, hello.hostname, mode
+        )
+
+    def _bye(self, reader: str, reason: str) -> None:
+        try:
+            self._control.send(
+                reader,
+                self._control.encode(Bye(PROTOCOL_VERSION, self._vocab_size, reader, reason)),
+            )
+        except TransportError as exc:
+            logger.debug("could not tell %s bye: %s", reader, exc)

@@ -1,0 +1,346 @@
+"""The reader's end of the bitmask transport (a TP worker).
+
+A :class:`BitmaskReceiver` joins a channel from its
+:class:`~sync.channel.ChannelHandle`, then takes one step at a time::
+
+    with BitmaskReceiver.connect(handle, "tp1", vocab_size=V) as rx:
+        for step in steps:
+            view, request_ids, num_drafts = rx.receive(step)
+            ...  # apply view (read-only int32 [rows, W]) to the logits
+            rx.release(step)
+
+On the writer's host the view is the ring slot itself; elsewhere it is the
+raw zmq frame, also without a copy. Either way it is valid until
+:meth:`~BitmaskReceiver.release`; after that the writer may reuse the slot.
+
+Nothing a peer sends can crash the reader: frames that do not decode, that
+do not match the ring's slot header or that repeat an old step are counted
+in ``dropped`` and skipped. What stops a reader is the writer going away
+(:class:`~sync.errors.WriterLost`, :class:`~sync.errors.ChannelClosed`), a
+deadline (:class:`~sync.errors.TransportTimeout`) or a genuine step out of
+order (:class:`~sync.errors.ProtocolError`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import zmq
+
+from sync.channel import ChannelHandle
+from sync.control import ControlClient, choose_mode, local_hostname, pid_alive
+from sync.errors import (
+    ChannelClosed,
+    HandshakeError,
+    ProtocolError,
+    TransportError,
+    TransportTimeout,
+    WriterLost,
+)
+from sync.messages import (
+    PROTOCOL_VERSION,
+    BitmaskFrame,
+    BitmaskReady,
+    Bye,
+    Hello,
+    Release,
+    Shutdown,
+    Welcome,
+    WriterMessage,
+)
+from sync.ring import BitmaskRing
+
+__all__ = ["BitmaskReceiver"]
+
+# A waiting reader wakes this often to check the deadline and the writer.
+_SLICE_S = 0.1
+_WIRE = np.dtype("<i4")
+
+
+class BitmaskReceiver:
+    """Reader's end of a channel; build it with :meth:`connect`.
+
+    Attributes
+    ----------
+    name
+        This reader's name.
+    mode
+        ``"shm"`` (ring slots) or ``"tcp"`` (raw frames), chosen by the writer.
+    """
+
+    def __init__(
+        self,
+        handle: ChannelHandle,
+        name: str,
+        client: ControlClient,
+        mode: str,
+        ring: BitmaskRing | None,
+        local: bool,
+    ) -> None:
+        self.name = name
+        self.mode = mode
+        self._handle = handle
+        self._client = client
+        self._ring = ring
+        self._local = local
+        self._last = -1
+        # step -> zmq frame (tcp) or None (shm); frames keep tcp views alive.
+        self._held: dict[int, zmq.Frame | None] = {}
+        self._closed = False
+
+    @classmethod
+    def connect(
+        cls,
+        handle: ChannelHandle,
+        name: str,
+        *,
+        vocab_size: int,
+        timeout: float | None = None,
+        hostname: str | None = None,
+    ) -> BitmaskReceiver:
+        """Say hello to the writer and wait for its welcome.
+
+        Parameters
+        ----------
+        handle
+            The writer's :attr:`~sync.channel.BitmaskChannel.handle`.
+        name
+            This reader's name; must be one the writer listed.
+        vocab_size
+            The vocabulary this reader applies masks to; must equal the
+            writer's.
+        timeout
+            Seconds to wait for the welcome; ``handle.handshake_timeout_s``
+            when None.
+        hostname
+            Host name to announce; this host's when None. Tests use it to
+            play a reader on another node.
+
+        Returns
+        -------
+        BitmaskReceiver
+            Connected, with the ring mapped in shm mode.
+
+        Raises
+        ------
+        HandshakeError
+            If the writer turns this reader away (unknown name, version or
+            vocabulary mismatch, shm across hosts).
+        TransportTimeout
+            If the writer does not answer in time.
+        """
+        host = hostname or local_hostname()
+        mode = choose_mode(handle.kind, handle.hostname, host)
+        endpoint = handle.ipc_endpoint if mode == "shm" else handle.tcp_endpoint
+        if mode is None or endpoint is None:
+            raise HandshakeError(
+                f"reader {name!r} on {host!r} cannot reach a {handle.kind!r} writer on {handle.hostname!r}",
+                peers=[name],
+            )
+        timeout = handle.handshake_timeout_s if timeout is None else timeout
+        client = ControlClient(endpoint, name=name)
+        try:
+            client.send(Hello(PROTOCOL_VERSION, vocab_size, name, host, os.getpid()))
+            welcome = cls._await_welcome(client, name, endpoint, timeout)
+            if welcome.mode != mode or welcome.vocab_size != vocab_size:
+                raise HandshakeError(
+                    f"reader {name!r}: writer answered mode {welcome.mode!r} / vocab {welcome.vocab_size}, "
+                    f"expected {mode!r} / {vocab_size}",
+                    peers=[name],
+                )
+            ring = BitmaskRing.attach(handle.ring, name) if mode == "shm" else None
+        except BaseException:
+            client.close()
+            raise
+        return cls(handle, name, client, mode, ring, local=host == handle.hostname)
+
+    @staticmethod
+    def _await_welcome(client: ControlClient, name: str, endpoint: str, timeout: float) -> Welcome:
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            got = client.recv(min(remaining, _SLICE_S))
+            if got is None:
+                continue
+            match got[0]:
+                case Welcome() as welcome:
+                    return welcome
+                case Bye(reason=reason):
+                    raise HandshakeError(
+                        f"writer turned reader {name!r} away: {reason}", peers=[name]
+                    )
+                case other:
+                    client.reject(f"{type(other).__name__} before the welcome")
+        raise TransportTimeout(
+            f"reader {name!r}: the writer at {endpoint} did not answer hello within {timeout:g} s",
+            peers=["writer"],
+        )
+
+    @property
+    def dropped(self) -> int:
+        """Control frames dropped: malformed, unknown, stale or not matching the ring."""
+        return self._client.dropped
+
+    def receive(
+        self, step: int, timeout: float | None = None
+    ) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]:
+        """Wait for the rows of ``step``.
+
+        Parameters
+        ----------
+        step
+            The step to receive; steps are received in the order the writer
+            published them.
+        timeout
+            Seconds; ``handle.timeout_s`` when None.
+
+        Returns
+        -------
+        view : numpy.ndarray
+            Read-only int32 ``[rows, ceil(vocab_size / 32)]``, no copy; valid
+            until :meth:`release`.
+        request_ids : tuple of str
+            Requests in scheduling order.
+        num_drafts : tuple of int
+            Draft tokens per request.
+
+        Raises
+        ------
+        TransportTimeout
+            If the step does not arrive in time.
+        WriterLost
+            If the writer died or its connection closed.
+        ChannelClosed
+            If the writer closed the channel.
+        ProtocolError
+            If the writer published another step than ``step`` next.
+        """
+        if self._closed:
+            raise TransportError(f"reader {self.name!r} is closed")
+        if step in self._held:
+            raise ValueError(f"step {step} was received and not released yet")
+        timeout = self._handle.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            got = self._client.recv(min(remaining, _SLICE_S))
+            if got is None:
+                self._check_writer()
+                continue
+            result = self._take(step, *got)
+            if result is not None:
+                return result
+        raise TransportTimeout(
+            f"reader {self.name!r}: step {step} did not arrive within {timeout:g} s "
+            f"(last received: {self._last})",
+            peers=["writer"],
+        )
+
+    def release(self, step: int) -> None:
+        """Give ``step`` (and any earlier held step) back to the writer.
+
+        Raises
+        ------
+        ValueError
+            If ``step`` is not held.
+        """
+        if step not in self._held:
+            raise ValueError(f"step {step} is not held by reader {self.name!r}")
+        for held in [s for s in self._held if s <= step]:
+            del self._held[held]
+        if self._ring is not None:
+            self._ring.release(step)
+        else:
+            self._client.send(Release(self.name, step))
+
+    def close(self) -> None:
+        """Say bye and unmap; never removes the segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._held.clear()
+        try:
+            self._client.send(
+                Bye(PROTOCOL_VERSION, self._handle.vocab_size, self.name, "reader closed")
+            )
+        except zmq.ZMQError:
+            pass  # the writer is gone; nothing to tell
+        finally:
+            self._client.close()
+            if self._ring is not None:
+                self._ring.close()
+
+    def __enter__(self) -> BitmaskReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Internals ---------------------------------------------------------
+
+    def _check_writer(self) -> None:
+        if self._ring is not None and self._ring.writer_closed:
+            raise ChannelClosed("the writer closed the ring", peers=["writer"])
+        if self._local and not pid_alive(self._handle.pid):
+            raise WriterLost(f"the writer (pid {self._handle.pid}) died", peers=["writer"])
+
+    def _take(
+        self, step: int, message: WriterMessage, frame: zmq.Frame | None
+    ) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]] | None:
+        match message:
+            case Shutdown(reason=reason):
+                raise ChannelClosed(f"the writer closed the channel: {reason}", peers=["writer"])
+            case Bye(reason=reason):
+                raise WriterLost(f"the writer said bye: {reason}", peers=["writer"])
+            case BitmaskReady() if self._ring is not None:
+                view = self._check(message, lambda m: self._ring.read(m.slot, m.step, m.rows))
+            case BitmaskFrame() if self._ring is None:
+                view = self._check(message, lambda m: self._frame_view(m, frame))
+            case _:
+                self._client.reject(
+                    f"{type(message).__name__} is not expected by a {self.mode} reader"
+                )
+                return None
+        if view is None:
+            return None
+        if message.step != step:
+            raise ProtocolError(
+                f"reader {self.name!r} waits for step {step} but the writer published step {message.step}",
+                peers=[self.name],
+            )
+        self._last = step
+        self._held[step] = frame
+        return view, message.request_ids, message.num_drafts
+
+    def _check(self, message: BitmaskReady | BitmaskFrame, make_view) -> np.ndarray | None:
+        why = None
+        if message.step <= self._last:
+            why = f"step {message.step} is not newer than {self._last}"
+        elif len(message.request_ids) != len(message.num_drafts):
+            why = (
+                f"{len(message.request_ids)} request ids but {len(message.num_drafts)} draft counts"
+            )
+        else:
+            try:
+                return make_view(message)
+            except ProtocolError as exc:
+                why = str(exc)
+        self._client.reject(why)
+        return None
+
+    def _frame_view(self, message: BitmaskFrame, frame: zmq.Frame | None) -> np.ndarray:
+        ring = self._handle.ring
+        size = message.rows * message.width * _WIRE.itemsize
+        if (
+            frame is None
+            or message.width != ring.width
+            or message.rows > ring.max_rows
+            or len(frame) != size
+        ):
+            raise ProtocolError(
+                f"frame of {0 if frame is None else len(frame)} bytes for {message.rows} x {message.width} "
+                f"(ring is {ring.max_rows} x {ring.width})"
+            )
+        view = np.frombuffer(frame.buffer, dtype=_WIRE).reshape(message.rows, message.width)
+        view.flags.writeable = False
+        return view

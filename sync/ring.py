@@ -1,0 +1,412 @@
+"""A shared-memory ring of bitmask slots: one writer, a fixed set of readers.
+
+Layout of the segment (all offsets in bytes, all header words int64)::
+
+    0            ring header (64 B)
+                 [0] magic  [1] layout version  [2] num_slots K  [3] num_readers R
+                 [4] max_rows  [5] width W (int32 words per row)
+                 [6] writer pid  [7] closed (1 once the writer closed the ring)
+    64           reader table: R lines of 64 B, one cache line per reader so
+                 that readers never write the same line
+                 [0] released step (-1 before the first release)  [1..7] unused
+    64 * (1 + R) zero padding up to the next multiple of 4096 = D
+    D            slot 0: header (64 B)
+                   [0] step (-1 while empty)  [1] rows  [2] generation
+                   (odd while the writer fills it, even once published)
+                 then data: max_rows * W int32, padded to 64 B
+    D + S        slot 1, where S = 64 + roundup(max_rows * W * 4, 64)
+    ...
+    D + (K-1)*S  slot K-1
+
+Steps are published in strictly increasing order into slots 0, 1, ..., K-1,
+0, 1, ... A reader releases a step by storing it in its own line of the
+reader table; releasing step s releases every earlier step too. Slot i can
+be rewritten when every reader's released step is at least the step it
+holds, so a slot is reused only after every reader released it.
+
+NOTE: release counters in shared memory, not Release messages: a local
+reader releases with one 8-byte store and no syscall, and the writer
+checks all readers with one numpy ``min``. Readers that are not on this
+host send ``Release`` messages and the writer copies them into their line,
+so one rule covers both. Aligned 8-byte stores are atomic on every
+supported CPU, and the zmq send/receive that announces a slot is a syscall
+on both sides, which orders the data writes before the reader's loads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+import numpy as np
+
+from sync.errors import ProtocolError, TransportError, TransportTimeout, quote_names
+from sync.segment import Segment, segment_name
+
+__all__ = ["BitmaskRing", "RingHandle"]
+
+_MAGIC = int.from_bytes(b"GCRING\x00\x01", "little")
+_LAYOUT_VERSION = 1
+_LINE = 64
+_PAGE = 4096
+# Header word set once the writer closed the ring.
+_H_CLOSED = 7
+# Slot header words.
+_S_STEP, _S_ROWS, _S_GEN = 0, 1, 2
+
+# Called while the writer waits: (lagging reader names, seconds to pause).
+# It may block up to the pause (e.g. polling a socket) and may raise.
+WaitHook = Callable[[tuple[str, ...], float], None]
+
+
+def _roundup(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class RingHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reader needs to attach to a ring; picklable and msgspec-encodable."""
+
+    # Segment name, without the leading slash.
+    name: str
+    # Run the ring belongs to (also part of the name).
+    run_id: str
+    # Number of slots K.
+    num_slots: int
+    # Rows per slot.
+    max_rows: int
+    # int32 words per row: ceil(vocab_size / 32).
+    width: int
+    # Reader names; a reader's position is its line in the reader table.
+    readers: tuple[str, ...]
+    # Segment size in bytes.
+    size: int
+
+
+def _layout(num_slots: int, num_readers: int, max_rows: int, width: int) -> tuple[int, int, int]:
+    data_start = _roundup(_LINE * (1 + num_readers), _PAGE)
+    stride = _LINE + _roundup(max_rows * width * 4, _LINE)
+    return data_start, stride, data_start + num_slots * stride
+
+
+class BitmaskRing:
+    """K slots of ``[max_rows, width]`` int32 in one shared-memory segment.
+
+    Build it with :meth:`create` (the writer, which owns and unlinks the
+    segment) or :meth:`attach` (a reader, which only closes its mapping).
+    One thread per process uses a ring.
+    """
+
+    def __init__(self, segment: Segment, handle: RingHandle, *, reader: int | None) -> None:
+        self._segment = segment
+        self._handle = handle
+        self._reader = reader
+        k, r = handle.num_slots, len(handle.readers)
+        data_start, stride, _ = _layout(k, r, handle.max_rows, handle.width)
+        buf = segment.buf
+        self._head = np.ndarray((8,), np.int64, buf, 0)
+        self._released = np.ndarray((r, 8), np.int64, buf, _LINE)
+        self._slots = np.ndarray((k, 8), np.int64, buf, data_start, (stride, 8))
+        self._data = [
+            np.ndarray(
+                (handle.max_rows, handle.width), np.int32, buf, data_start + i * stride + _LINE
+            )
+            for i in range(k)
+        ]
+        if reader is not None:
+            for view in self._data:
+                view.flags.writeable = False
+        self._next = 0  # writer: publications so far; the next slot is _next % K
+        self._last_step = -1
+        self._pending: int | None = None  # writer: rows acquired, not yet published
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        run_id: str,
+        readers: Sequence[str],
+        max_rows: int,
+        width: int,
+        num_slots: int = 4,
+        label: str = "ring",
+    ) -> BitmaskRing:
+        """Create a ring (the writer's side); it owns the segment.
+
+        Parameters
+        ----------
+        run_id
+            Run id, part of the segment name ``[A-Za-z0-9_-]{1,32}``.
+        readers
+            Distinct reader names; the writer waits for all of them.
+        max_rows
+            Rows per slot: ``max_num_seqs * (1 + num_speculative_tokens)``.
+        width
+            int32 words per row: ``ceil(vocab_size / 32)``.
+        num_slots
+            Slots K; the writer can run K steps ahead of the slowest reader.
+        label
+            Tells several rings of one run apart in the segment name.
+
+        Returns
+        -------
+        BitmaskRing
+            The writer's ring, mode 0600, every slot empty.
+
+        Raises
+        ------
+        ValueError
+            On a non-positive size or duplicate reader names.
+        """
+        if max_rows < 1 or width < 1 or num_slots < 1:
+            raise ValueError(
+                f"need max_rows, width, num_slots >= 1, got {max_rows}, {width}, {num_slots}"
+            )
+        if len(set(readers)) != len(readers):
+            raise ValueError(f"reader names must be distinct, got {list(readers)}")
+        _, _, size = _layout(num_slots, len(readers), max_rows, width)
+        segment = Segment.create(segment_name(run_id, label), size)
+        handle = RingHandle(
+            name=segment.name,
+            run_id=run_id,
+            num_slots=num_slots,
+            max_rows=max_rows,
+            width=width,
+            readers=tuple(readers),
+            size=size,
+        )
+        ring = cls(segment, handle, reader=None)
+        ring._head[:] = [
+            _MAGIC,
+            _LAYOUT_VERSION,
+            num_slots,
+            len(readers),
+            max_rows,
+            width,
+            os.getpid(),
+            0,
+        ]
+        ring._released[:, 0] = -1
+        ring._slots[:, _S_STEP] = -1
+        return ring
+
+    @classmethod
+    def attach(cls, handle: RingHandle, reader: str) -> BitmaskRing:
+        """Map a ring as reader ``reader`` (a reader's side; it never unlinks).
+
+        Raises
+        ------
+        TransportError
+            If the segment is gone or does not match the handle.
+        ValueError
+            If ``reader`` is not one of ``handle.readers``.
+        """
+        if reader not in handle.readers:
+            raise ValueError(f"reader {reader!r} is not one of {list(handle.readers)}")
+        try:
+            segment = Segment.attach(handle.name)
+        except FileNotFoundError as exc:
+            raise TransportError(
+                f"ring segment {handle.name} does not exist (writer gone?)"
+            ) from exc
+        expected = [
+            _MAGIC,
+            _LAYOUT_VERSION,
+            handle.num_slots,
+            len(handle.readers),
+            handle.max_rows,
+            handle.width,
+        ]
+        if (
+            segment.size < handle.size
+            or np.ndarray((6,), np.int64, segment.buf).tolist() != expected
+        ):
+            segment.close()
+            raise TransportError(f"ring segment {handle.name} does not match its handle")
+        return cls(segment, handle, reader=handle.readers.index(reader))
+
+    @property
+    def handle(self) -> RingHandle:
+        """The handle to pass to readers."""
+        return self._handle
+
+    @property
+    def last_step(self) -> int:
+        """The newest step this writer published (-1 before the first)."""
+        return self._last_step
+
+    @property
+    def writer_closed(self) -> bool:
+        """True once the writer closed the ring (or this mapping was closed)."""
+        return self._segment.buf is None or bool(self._head[_H_CLOSED])
+
+    # Writer side -------------------------------------------------------
+
+    def acquire_write(
+        self, rows: int, timeout: float, on_wait: WaitHook | None = None
+    ) -> np.ndarray:
+        """Wait for the next slot to be free and return its first ``rows`` rows.
+
+        Parameters
+        ----------
+        rows
+            Rows the step needs, ``0 <= rows <= max_rows``.
+        timeout
+            Seconds to wait for the slowest reader.
+        on_wait
+            Called while waiting (see ``WaitHook``); sleeps when None.
+
+        Returns
+        -------
+        numpy.ndarray
+            Writable ``[rows, width]`` int32 view into the slot. Fill it, then
+            call :meth:`publish`.
+
+        Raises
+        ------
+        TransportTimeout
+            If a reader still holds the slot after ``timeout``; names it.
+        """
+        self._require_writer()
+        if not 0 <= rows <= self._handle.max_rows:
+            raise ValueError(f"rows must be in [0, {self._handle.max_rows}], got {rows}")
+        slot = self._next % self._handle.num_slots
+        if self._pending is None:
+            held = int(self._slots[slot, _S_STEP])
+            self._wait(held, timeout, on_wait, f"slot {slot}")
+            self._slots[slot, _S_GEN] += 1  # odd: being written
+        # else: acquired again before publishing; the slot is already ours.
+        self._pending = rows
+        return self._data[slot][:rows]
+
+    def publish(self, step: int) -> int:
+        """Mark the acquired slot as holding ``step``; return the slot index.
+
+        Raises
+        ------
+        ValueError
+            If nothing was acquired or ``step`` does not increase.
+        """
+        self._require_writer()
+        if self._pending is None:
+            raise ValueError("publish() without acquire_write()")
+        if step <= self._last_step:
+            raise ValueError(f"steps must increase: {step} after {self._last_step}")
+        slot = self._next % self._handle.num_slots
+        self._slots[slot, _S_STEP] = step
+        self._slots[slot, _S_ROWS] = self._pending
+        self._slots[slot, _S_GEN] += 1  # even: published
+        self._pending = None
+        self._last_step = step
+        self._next += 1
+        return slot
+
+    def wait_released(self, step: int, timeout: float, on_wait: WaitHook | None = None) -> None:
+        """Block until every reader released ``step`` (the writer drains).
+
+        Raises
+        ------
+        TransportTimeout
+            Naming the readers that did not release it in time.
+        """
+        self._require_writer()
+        self._wait(step, timeout, on_wait, f"step {step}")
+
+    def set_released(self, reader: str, step: int) -> None:
+        """Record a remote reader's ``Release`` (counters only move forward)."""
+        index = self._handle.readers.index(reader)
+        if step > self._released[index, 0]:
+            self._released[index, 0] = step
+
+    def released(self) -> dict[str, int]:
+        """Each reader's newest released step (-1 before any)."""
+        return dict(zip(self._handle.readers, self._released[:, 0].tolist()))
+
+    def lagging(self, step: int) -> tuple[str, ...]:
+        """Readers that have not released ``step`` yet."""
+        behind = np.flatnonzero(self._released[:, 0] < step)
+        return tuple(self._handle.readers[i] for i in behind)
+
+    def _wait(self, step: int, timeout: float, on_wait: WaitHook | None, what: str) -> None:
+        if step < 0 or self._released[:, 0].min(initial=step) >= step:
+            return  # the common case: no wait, no clock read
+        deadline = time.monotonic() + timeout
+        pause = 0.0
+        while lag := self.lagging(step):
+            now = time.monotonic()
+            if now >= deadline:
+                seen = ", ".join(f"{n}={s}" for n, s in self.released().items() if n in lag)
+                raise TransportTimeout(
+                    f"{what} is still held: reader(s) {quote_names(lag)} did not release step "
+                    f"{step} within {timeout:g} s (last released: {seen})",
+                    peers=lag,
+                )
+            if on_wait is not None:
+                on_wait(lag, min(pause, deadline - now))
+            else:
+                time.sleep(min(pause, deadline - now))
+            # Yield first (a release is usually microseconds away), then back
+            # off to 1 ms so a stuck reader does not cost a core.
+            pause = min(max(pause * 2, 2e-5), 1e-3)
+
+    # Reader side -------------------------------------------------------
+
+    def read(self, slot: int, step: int, rows: int) -> np.ndarray:
+        """Read-only ``[rows, width]`` view of ``step`` in ``slot``; no copy.
+
+        Raises
+        ------
+        ProtocolError
+            If the slot does not hold ``step`` with ``rows`` rows, e.g. for a
+            forged or stale announcement.
+        """
+        if not (0 <= slot < self._handle.num_slots and 0 <= rows <= self._handle.max_rows):
+            raise ProtocolError(
+                f"slot {slot} / rows {rows} out of range for ring {self._handle.name}"
+            )
+        held, held_rows, gen = self._slots[slot, :3].tolist()
+        if gen % 2 or held != step or held_rows != rows:
+            raise ProtocolError(
+                f"slot {slot} holds step {held} with {held_rows} rows (generation {gen}), "
+                f"not step {step} with {rows} rows"
+            )
+        return self._data[slot][:rows]
+
+    def release(self, step: int) -> None:
+        """Release ``step`` and every earlier step (this reader's line only)."""
+        if self._reader is None:
+            raise ValueError("release() is for readers; the writer never holds a slot")
+        if step > self._released[self._reader, 0]:
+            self._released[self._reader, 0] = step
+
+    # Both --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the mapping; the writer also marks the ring closed and unlinks it.
+
+        Idempotent. Views handed out earlier stay valid until freed.
+        """
+        if self._segment.buf is None:
+            return
+        if self._reader is None:
+            self._head[_H_CLOSED] = 1
+        del self._head, self._released, self._slots, self._data
+        self._segment.close()
+        if self._segment.owner:
+            self._segment.unlink()
+
+    def __enter__(self) -> BitmaskRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_writer(self) -> None:
+        if self._reader is not None:
+            raise ValueError("this is a reader's view of the ring; only the writer publishes")
+
+    def __repr__(self) -> str:
+        h = self._handle
+        role = "writer" if self._reader is None else f"reader {h.readers[self._reader]!r}"
+        return f"BitmaskRing({h.name!r}, slots={h.num_slots}, rows={h.max_rows}, width={h.width}, {role})"
