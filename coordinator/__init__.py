@@ -1,0 +1,50 @@
+"""Cross-rank agreement on grammar readiness, failures and poison.
+
+The coordinator sees only sequence numbers, states, integer reason codes and
+16-byte keys; ``rank_worker`` owns what they mean.
+"""
+
+from coordinator.agreement import Agreement
+from coordinator.config import DistributedConfig, ParallelConfig
+from coordinator.coordinator import Coordinator, Member, StepResult, wall_clock_ms
+from coordinator.errors import CoordinatorError, DivergenceError, LayoutError, PeerLostError
+from coordinator.external import FORCED_COMPILE_MODE, ExternalWorld, attach_external
+from coordinator.layout import Coords, ParallelLayout
+from coordinator.pipeline import Chain, DecisionCodec
+from coordinator.poison_share import PoisonShare, pack_records, unpack_records
+from coordinator.report import GatherCodec, ReduceCodec, fingerprint
+from coordinator.runtime import Comm, Runtime
+from coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+
+__all__ = [
+    "FORCED_COMPILE_MODE",
+    "Agreement",
+    "Chain",
+    "Comm",
+    "Coordinator",
+    "CoordinatorError",
+    "Coords",
+    "Decision",
+    "DecisionCodec",
+    "DistributedConfig",
+    "DivergenceError",
+    "ExternalWorld",
+    "GatherCodec",
+    "LayoutError",
+    "LocalStatus",
+    "Member",
+    "ParallelConfig",
+    "ParallelLayout",
+    "PeerLostError",
+    "PendingState",
+    "PoisonRecord",
+    "PoisonShare",
+    "ReduceCodec",
+    "Runtime",
+    "StepResult",
+    "attach_external",
+    "fingerprint",
+    "pack_records",
+    "unpack_records",
+    "wall_clock_ms",
+]

@@ -42,3 +42,10 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     master_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     # Number of nodes (torchrun / ray).
     nnodes: PosInt = 1
+    # Readiness collective: "all_gather" of one report per rank, or one
+    # fixed-size "all_reduce" (BAND) whose size does not grow with the group
+    # (reason codes limited to 1..63).
+    agreement_op: Literal["all_gather", "all_reduce"] = "all_gather"
+    # Idle steps (nothing pending) between clock agreements, so poison TTLs
+    # still expire at an agreed instant when no request is waiting.
+    clock_sync_steps: PosInt = 64

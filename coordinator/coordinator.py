@@ -1,0 +1,234 @@
+"""One stage leader's per-step coordination: poison exchange, agreement, chain.
+
+A ``Coordinator`` drives a ``Member`` -- in production the rank's
+``GrammarManager`` behind ``rank_worker.admission`` -- through one step:
+
+decider (stage 0, or every stage leader with ``pp_sync: collective``)
+    1. share new failures across DP leaders; apply the union (poison);
+    2. take the member's local status and agree on a decision;
+    3. send the decision and the poison down the chain;
+    4. apply the decision to the member.
+
+follower (a later stage with ``pp_sync: chain``)
+    1. receive stage 0's decision and poison (forwarding them on);
+    2. apply the poison, then exactly that decision.
+
+TP workers have no coordinator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from coordinator.agreement import Agreement
+from coordinator.config import DistributedConfig
+from coordinator.errors import LayoutError
+from coordinator.layout import ParallelLayout
+from coordinator.pipeline import Chain
+from coordinator.poison_share import PoisonShare
+from coordinator.runtime import Comm
+from coordinator.status import Decision, LocalStatus, PoisonRecord
+
+logger = logging.getLogger(__name__)
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Member(Protocol):
+    """What a coordinator needs from one rank's grammar state (plain values)."""
+
+    def local_status(self) -> LocalStatus: ...
+
+    def apply_decision(self, decision: Decision) -> Any: ...
+
+    def new_failures(self) -> Sequence[PoisonRecord]: ...
+
+    def apply_poison(self, records: Sequence[PoisonRecord]) -> Any: ...
+
+
+class StepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one step decided on this rank."""
+
+    decision: Decision
+    # Poison records applied this step (shared or received), in order.
+    poison: tuple[PoisonRecord, ...] = ()
+    # Whatever the member's apply_decision returned.
+    outcome: Any = None
+    # True on followers: the decision came down the chain.
+    followed: bool = False
+
+
+class Coordinator:
+    """Per-step coordination for one stage leader.
+
+    Parameters
+    ----------
+    layout:
+        The world's layout.
+    comm:
+        The runtime (or a fake with the same calls).
+    window:
+        The pending window, ``grammar.max_pending``.
+    compile_mode:
+        ``"async"``, or ``"sync"`` (external launcher): decisions are local
+        and no readiness collective runs.
+    agreement_op:
+        ``"all_gather"`` or ``"all_reduce"`` (``distributed.agreement_op``).
+    clock_sync_steps:
+        Idle steps between clock agreements.
+    clock:
+        Wall clock in milliseconds (injected by tests).
+
+    Raises
+    ------
+    LayoutError
+        If this rank is a TP worker.
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        comm: Comm,
+        *,
+        window: int,
+        compile_mode: Literal["async", "sync"] = "async",
+        agreement_op: Literal["all_gather", "all_reduce"] = "all_gather",
+        clock_sync_steps: int = 64,
+        clock: Callable[[], int] = wall_clock_ms,
+    ) -> None:
+        rank = comm.rank
+        if not layout.is_stage_leader(rank):
+            raise LayoutError(
+                f"{layout.describe(rank)} is a TP worker; only stage leaders run a coordinator"
+            )
+        self.layout = layout
+        self.rank = rank
+        self.window = window
+        self.compile_mode = compile_mode
+        self._comm = comm
+        self._clock = clock
+        self._last_step: int | None = None
+        self.decider = layout.is_decider(rank)
+        self.agreement: Agreement | None = None
+        self.poison: PoisonShare | None = None
+        prev, nxt = layout.chain_prev(rank), layout.chain_next(rank)
+        self.chain = (
+            Chain(comm, rank=rank, prev=prev, next=nxt, window=window)
+            if (prev is not None or nxt is not None)
+            else None
+        )
+        if self.decider:
+            members = layout.agreement_group(rank)
+            self.agreement = Agreement(
+                members=members,
+                rank=rank,
+                window=window,
+                gather=self._gather("agreement") if len(members) > 1 else None,
+                reduce=self._reduce("agreement", "band") if len(members) > 1 else None,
+                op=agreement_op,
+                compile_mode=compile_mode,
+                clock_sync_steps=clock_sync_steps,
+            )
+            poison_members = layout.poison_group()
+            if rank in poison_members:
+                self.poison = PoisonShare(
+                    members=poison_members,
+                    gather=self._gather("poison"),
+                    reduce_max=self._reduce("poison", "max"),
+                )
+        logger.info(
+            "[rank %d] coordinator: %s, %s, agreement group %s, poison group %s, window %d, %s",
+            rank,
+            layout.describe(rank),
+            "decider" if self.decider else "follower",
+            list(layout.agreement_group(rank)),
+            list(layout.poison_group()) if self.poison else [],
+            window,
+            compile_mode,
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        layout: ParallelLayout,
+        comm: Comm,
+        distributed: DistributedConfig,
+        *,
+        max_pending: int,
+        compile_mode: Literal["async", "sync"] = "async",
+    ) -> Coordinator:
+        """Build from the ``distributed`` section and ``grammar.max_pending``."""
+        return cls(
+            layout,
+            comm,
+            window=max_pending,
+            compile_mode=compile_mode,
+            agreement_op=distributed.agreement_op,
+            clock_sync_steps=distributed.clock_sync_steps,
+        )
+
+    def _gather(self, group: str) -> Callable:
+        comm, op = self._comm, group
+
+        def gather(row):
+            return comm.all_gather(group, row, operation=op, step=self._current)
+
+        return gather
+
+    def _reduce(self, group: str, kind: Literal["band", "max"]) -> Callable:
+        comm, op = self._comm, group
+
+        def reduce(row):
+            return comm.all_reduce(group, row, kind, operation=op, step=self._current)
+
+        return reduce
+
+    @property
+    def _current(self) -> int:
+        return -1 if self._last_step is None else self._last_step
+
+    def step(self, step: int, member: Member) -> StepResult:
+        """Run step ``step`` for ``member``; see the module docstring.
+
+        Raises
+        ------
+        ValueError
+            If ``step`` does not increase.
+        DivergenceError
+            If the group's pending sets or steps differ.
+        PeerLostError
+            If a peer died or hung (the runtime has released its groups).
+        """
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step {step} does not follow step {self._last_step}")
+        self._last_step = step
+        if not self.decider:
+            assert self.chain is not None
+            decision, poison = self.chain.receive(step)
+            if poison:
+                member.apply_poison(poison)
+            outcome = member.apply_decision(decision)
+            return StepResult(decision=decision, poison=poison, outcome=outcome, followed=True)
+        assert self.agreement is not None
+        clock, agreed = self._clock(), False
+        new = member.new_failures()
+        poison: tuple[PoisonRecord, ...] = ()
+        if self.poison is not None:
+            poison, clock = self.poison.exchange(step, new, clock)
+            agreed = True
+            if poison:
+                member.apply_poison(poison)
+        decision = self.agreement.decide(
+            step, member.local_status(), clock_ms=clock, clock_agreed=agreed
+        )
+        if self.chain is not None:
+            self.chain.send(decision, poison)
+        outcome = member.apply_decision(decision)
+        return StepResult(decision=decision, poison=poison, outcome=outcome)

@@ -1,0 +1,338 @@
+"""Process groups for control traffic, with deadlines and peer-loss reporting.
+
+``Runtime`` holds the gloo CPU groups that the coordinator talks over,
+whatever backend the data plane uses. It either starts the world itself
+(``Runtime.start``) or attaches to one the host already made
+(``Runtime.attach``). Every call waits at most ``OP_SHARE`` of
+``distributed.step_timeout_s``; when it fails, the surviving ranks hold a
+short roll call through the rendezvous store to name the ranks that are
+gone, release their groups, and raise ``PeerLostError`` -- all within the
+step timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import time
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from coordinator.config import DistributedConfig
+from coordinator.errors import CoordinatorError, PeerLostError
+from coordinator.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+# Share of the step timeout that one call may wait; the rest is for the
+# roll call that names the lost rank.
+OP_SHARE = 0.8
+MAX_ROLL_CALL_S = 2.0
+_generations = itertools.count()
+
+
+class Comm(Protocol):
+    """What the coordinator needs from a runtime (tests provide fakes)."""
+
+    rank: int
+
+    def members(self, group: str) -> tuple[int, ...]: ...
+
+    def all_gather(
+        self, group: str, row: np.ndarray, *, operation: str, step: int
+    ) -> np.ndarray: ...
+
+    def all_reduce(
+        self, group: str, row: np.ndarray, op: Literal["band", "max"], *, operation: str, step: int
+    ) -> np.ndarray: ...
+
+    def send(
+        self, group: str, dst: int, payload: np.ndarray, *, tag: int, operation: str, step: int
+    ) -> None: ...
+
+    def recv(
+        self, group: str, src: int, out: np.ndarray, *, tag: int, operation: str, step: int
+    ) -> None: ...
+
+
+_REDUCE_OPS = {"band": dist.ReduceOp.BAND, "max": dist.ReduceOp.MAX}
+
+
+class Runtime:
+    """This rank's control groups and the calls made over them.
+
+    Use :meth:`start` or :meth:`attach`; close with :meth:`close` (or as a
+    context manager). Arrays passed in and returned are int64 numpy arrays;
+    a returned array is valid until the next call on the same group.
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        *,
+        rank: int,
+        step_timeout_s: float,
+        store: dist.Store | None,
+        owns_world: bool,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.step_timeout_s = step_timeout_s
+        self._op_timeout = datetime.timedelta(seconds=step_timeout_s * OP_SHARE)
+        self._roll_call_s = min(MAX_ROLL_CALL_S, step_timeout_s * (1 - OP_SHARE))
+        self._store = store
+        self._owns_world = owns_world
+        self._generation = next(_generations)
+        self._groups: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        self._buffers: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self._closed = False
+        timeout = datetime.timedelta(seconds=step_timeout_s)
+        # Every rank creates every group, in the layout's fixed order.
+        for name, ranks in layout.control_groups():
+            group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+            if rank in ranks:
+                self._groups[name] = (group, ranks)
+        logger.info(
+            "[rank %d] control groups ready: %s",
+            rank,
+            ", ".join(f"{n}={list(r)}" for n, (_, r) in self._groups.items()) or "none",
+        )
+
+    @classmethod
+    def start(cls, layout: ParallelLayout, *, rank: int, distributed: DistributedConfig) -> Runtime:
+        """Create the world (rank 0 hosts the store) and the control groups.
+
+        The port is ``distributed.master_port`` or, when that is 0, the
+        ``MASTER_PORT`` the launcher exported after picking a free one.
+
+        Raises
+        ------
+        CoordinatorError
+            If no port is known or the world is already initialized.
+        """
+        if dist.is_initialized():
+            raise CoordinatorError("torch.distributed is already initialized; use Runtime.attach")
+        port = distributed.master_port or int(os.environ.get("MASTER_PORT", "0"))
+        if not port:
+            raise CoordinatorError(
+                "distributed.master_port is 0 and MASTER_PORT is unset; "
+                "the launcher must pick a free port"
+            )
+        init = datetime.timedelta(seconds=distributed.init_timeout_s)
+        store = dist.TCPStore(
+            distributed.master_addr, port, layout.world_size, is_master=rank == 0, timeout=init
+        )
+        dist.init_process_group(
+            distributed.backend,
+            store=store,
+            rank=rank,
+            world_size=layout.world_size,
+            timeout=init,
+        )
+        return cls(
+            layout,
+            rank=rank,
+            step_timeout_s=distributed.step_timeout_s,
+            store=store,
+            owns_world=True,
+        )
+
+    @classmethod
+    def attach(cls, layout: ParallelLayout, *, distributed: DistributedConfig) -> Runtime:
+        """Create the control groups inside a world the host already made.
+
+        Raises
+        ------
+        CoordinatorError
+            If the world is not initialized or its size differs from the
+            layout's.
+        """
+        if not dist.is_initialized():
+            raise CoordinatorError(
+                "torch.distributed is not initialized; the host must call "
+                "init_process_group before attaching"
+            )
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise CoordinatorError(
+                f"layout has {layout.world_size} ranks but the world has {world}"
+            )
+        try:
+            # NOTE: private, but the only way to reach the host's store; the
+            # roll call is skipped without it.
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:
+            store = None
+        return cls(
+            layout,
+            rank=dist.get_rank(),
+            step_timeout_s=distributed.step_timeout_s,
+            store=store,
+            owns_world=False,
+        )
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def members(self, group: str) -> tuple[int, ...]:
+        """Global ranks of this rank's group ``group``; empty if none."""
+        entry = self._groups.get(group)
+        return entry[1] if entry else ()
+
+    # -- calls ---------------------------------------------------------------
+
+    def _group(self, name: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+        if self._closed:
+            raise CoordinatorError(f"[rank {self.rank}] runtime is closed")
+        entry = self._groups.get(name)
+        assert entry is not None, f"rank {self.rank} has no {name!r} group"
+        return entry
+
+    def _wait(self, work: dist.Work, name: str, operation: str, step: int, peer: int | None):
+        try:
+            work.wait(timeout=self._op_timeout)
+        except RuntimeError as exc:
+            self._lost(name, operation, step, peer, exc)
+
+    def all_gather(self, group: str, row: np.ndarray, *, operation: str, step: int) -> np.ndarray:
+        """Every member's ``row``, stacked in group order: int64[members, len(row)].
+
+        One ``all_to_all_single`` with the row repeated per member: gloo's
+        alltoall posts every transfer at once, a single round, where its
+        all_gather walks a ring of ``members - 1`` rounds.
+        """
+        pg, ranks = self._group(group)
+        n, size = len(ranks), row.size
+        bufs = self._buffers.get((group, size))
+        if bufs is None:
+            bufs = (
+                torch.empty(n * size, dtype=torch.int64),
+                torch.empty(n * size, dtype=torch.int64),
+            )
+            self._buffers[(group, size)] = bufs
+        send, recv = bufs
+        send.numpy().reshape(n, size)[:] = row
+        try:
+            work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, None, exc)
+        self._wait(work, group, operation, step, None)
+        return recv.numpy().reshape(n, size)
+
+    def all_reduce(
+        self, group: str, row: np.ndarray, op: Literal["band", "max"], *, operation: str, step: int
+    ) -> np.ndarray:
+        """Element-wise ``op`` of every member's ``row``."""
+        pg, _ = self._group(group)
+        t = torch.from_numpy(np.array(row, dtype=np.int64))
+        try:
+            work = dist.all_reduce(t, op=_REDUCE_OPS[op], group=pg, async_op=True)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, None, exc)
+        self._wait(work, group, operation, step, None)
+        return t.numpy()
+
+    def drain(self, *, operation: str = "drain sends", step: int = -1) -> None:
+        """Wait for every earlier asynchronous send."""
+        sends, self._sends = self._sends, []
+        for work, _tensor, dst in sends:
+            self._wait(work, "pp_chain", operation, step, dst)
+
+    def send(
+        self, group: str, dst: int, payload: np.ndarray, *, tag: int, operation: str, step: int
+    ) -> None:
+        """Send ``payload`` to global rank ``dst`` without waiting.
+
+        Earlier sends are drained first, so at most one is in flight. The
+        payload is copied; the caller may reuse its array at once.
+        """
+        self.drain(operation=operation, step=step)
+        pg, _ = self._group(group)
+        t = torch.from_numpy(np.array(payload, dtype=np.int64))
+        try:
+            work = dist.isend(t, dst=dst, group=pg, tag=tag)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, dst, exc)
+        self._sends.append((work, t, dst))
+
+    def recv(
+        self, group: str, src: int, out: np.ndarray, *, tag: int, operation: str, step: int
+    ) -> None:
+        """Receive into ``out`` (int64, exact size) from global rank ``src``."""
+        pg, _ = self._group(group)
+        t = torch.from_numpy(out)
+        try:
+            work = dist.irecv(t, src=src, group=pg, tag=tag)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, src, exc)
+        self._wait(work, group, operation, step, src)
+
+    # -- failure -------------------------------------------------------------
+
+    def _roll_call(self, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        if self._store is None:
+            return (), "no store for a roll call"
+        prefix = f"gramcoord/rt{self._generation}/alive/"
+        try:
+            self._store.set(f"{prefix}{self.rank}", "1")
+            missing = {r for r in ranks if r != self.rank}
+            deadline = time.monotonic() + self._roll_call_s
+            while missing and time.monotonic() < deadline:
+                missing = {r for r in missing if not self._store.check([f"{prefix}{r}"])}
+                if missing:
+                    time.sleep(0.02)
+        except Exception as exc:
+            return (), f"roll call failed ({type(exc).__name__}; the store host may be lost)"
+        return tuple(sorted(missing)), f"no answer to the roll call within {self._roll_call_s:.1f}s"
+
+    def _lost(self, group: str, operation: str, step: int, peer: int | None, exc: BaseException):
+        ranks = self.members(group)
+        lost, how = self._roll_call(ranks)
+        if not lost and peer is not None:
+            lost, how = (peer,), "point-to-point peer"
+        logger.error(
+            "[rank %d] %s failed at step %d; lost %s (%s): %s",
+            self.rank,
+            operation,
+            step,
+            list(lost) or "unknown",
+            how,
+            exc,
+        )
+        self.close()
+        raise PeerLostError(
+            rank=self.rank,
+            ranks=lost,
+            operation=operation,
+            step=step,
+            group=ranks,
+            detail=f"{how}; {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+        ) from exc
+
+    def close(self) -> None:
+        """Destroy the control groups (and the world if this runtime made it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sends.clear()
+        self._buffers.clear()
+        if not dist.is_initialized():
+            return
+        for group, _ in self._groups.values():
+            try:
+                dist.destroy_process_group(group)
+            except Exception as exc:  # a broken group still gets the others released
+                logger.warning("[rank %d] destroying a control group failed: %s", self.rank, exc)
+        self._groups.clear()
+        if self._owns_world:
+            dist.destroy_process_group()
+        logger.info("[rank %d] control groups released", self.rank)
