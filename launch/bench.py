@@ -36,7 +36,9 @@ class BenchRecord(msgspec.Struct, kw_only=True):
     ratio: float
     # Required ratio, or None when the row only reports.
     target: float | None = None
-    # Whether ratio >= target (None without a target).
+    # Absolute bound on median_ms, for targets stated in time.
+    target_ms: float | None = None
+    # Whether every target given holds (None without a target).
     met: bool | None = None
     # Free-form context: sizes, rank counts, absolute targets.
     note: str = ""
@@ -50,9 +52,15 @@ class BenchRecord(msgspec.Struct, kw_only=True):
         base_ms: float,
         target: float | None = None,
         note: str = "",
+        target_ms: float | None = None,
     ) -> BenchRecord:
         ratio = base_ms / ours_ms if ours_ms > 0 else float("inf")
-        met = None if target is None else ratio >= target
+        checks = []
+        if target is not None:
+            checks.append(ratio >= target)
+        if target_ms is not None:
+            checks.append(ours_ms <= target_ms)
+        met = all(checks) if checks else None
         return cls(
             name=name,
             baseline=baseline,
@@ -60,6 +68,7 @@ class BenchRecord(msgspec.Struct, kw_only=True):
             baseline_median_ms=round(base_ms, 6),
             ratio=round(ratio, 4),
             target=target,
+            target_ms=target_ms,
             met=met,
             note=note,
         )
@@ -92,7 +101,15 @@ def format_table(records: list[BenchRecord]) -> str:
             f"{r.median_ms:.4f}",
             f"{r.baseline_median_ms:.4f}",
             f"{r.ratio:.2f}x",
-            "-" if r.target is None else f">={r.target:g}x",
+            " ".join(
+                t
+                for t in (
+                    "" if r.target is None else f">={r.target:g}x",
+                    "" if r.target_ms is None else f"<={r.target_ms:g}ms",
+                )
+                if t
+            )
+            or "-",
             "-" if r.met is None else ("yes" if r.met else "NO"),
             r.note,
         )

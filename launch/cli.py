@@ -31,12 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run benchmarks/NAME.py and write bench.json")
     bench.add_argument("name")
     bench.add_argument("--out", default="bench-out", help="directory for bench.json")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    # Anything else (e.g. --repeat 5) is passed on to the benchmark.
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args, extra = _parser().parse_known_args(argv)
+    if extra and args.command != "bench":
+        _parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from launch.bench import run_bench
 
-        run_bench(args.name, args.args, Path(args.out))
+        run_bench(args.name, [a for a in extra if a != "--"], Path(args.out))
         return 0
     raise AssertionError(args.command)
 
