@@ -27,6 +27,17 @@ class ReasoningConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     think_end_ids: tuple[int, ...] = ()
     # Whether a request starts in the reasoning phase when the gate is on.
     start_in_reasoning: bool = True
+    # Token ids that end reasoning *and* are the first content token (e.g. a
+    # tool-call tag emitted without </think>). The grammar judges them; while
+    # reasoning, those it rejects as first content are masked.
+    implicit_end_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        both = set(self.think_end_ids) & set(self.implicit_end_ids)
+        if both:
+            raise ValueError(
+                f"reasoning token ids {sorted(both)} are in both think_end_ids and implicit_end_ids"
+            )
 
 
 class TriggerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,130 @@
+"""Greedy constrained decoding of one request: the reference loop.
+
+``GreedyDecoder.decode`` runs the whole per-request path of a step loop,
+in one process and without batching:
+
+1. the drafter proposes up to K tokens and ``trim_drafts`` keeps the
+   grammar-valid prefix;
+2. the builder fills the request's speculative rows;
+3. the model scores ``output + drafts[:i]`` for every row, the rows are
+   masked through the TP-side apply (``LogitsMasker``) and the argmax taken;
+4. drafts are verified greedily: kept while they equal the argmax, and the
+   first disagreement (or the bonus row) contributes the model's token;
+5. the tokens are accepted into the grammar, and jump-forward runs.
+
+With a deterministic model the outputs do not depend on K or the drafter:
+a row's mask equals the mask a K = 0 run computes at the same position,
+which is what the property tests check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, Protocol
+
+import torch
+
+from rank_worker.bitmask import BitmaskBuilder, trim_drafts
+from rank_worker.drafter import Drafter
+from rank_worker.errors import GrammarError
+from rank_worker.grammar_state import GrammarState
+from rank_worker.jump_forward import JumpForward
+from rank_worker.logits_apply import LogitsMasker, plan_rows
+from rank_worker.tokenizer import Tokenizer
+
+
+class LogitsModel(Protocol):
+    def logits(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``float[len(contexts), V]``: next-token logits after each context."""
+        ...
+
+
+class DecodeResult(NamedTuple):
+    # Output token ids (the stop token included when one ended it).
+    token_ids: list[int]
+    # Output text (stop tokens dropped).
+    text: str
+    # Model forward passes (one per step, whatever K is).
+    num_steps: int
+    finish_reason: Literal["stop", "length", "error"]
+    # Why it failed, when finish_reason == "error".
+    error: GrammarError | None
+    # Model steps jump-forward saved (its conservative count).
+    num_steps_saved: int
+
+
+class GreedyDecoder:
+    """Decode requests one at a time, greedily, under their grammars.
+
+    Parameters
+    ----------
+    tokenizer:
+        Vocabulary of the model and the grammars.
+    num_speculative_tokens:
+        K; drafts per step.
+    max_tokens:
+        Output length limit.
+    jump_forward:
+        Jump-forward helper, or ``None`` to sample every token.
+    """
+
+    _ID = "request"
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        num_speculative_tokens: int = 0,
+        max_tokens: int = 256,
+        jump_forward: JumpForward | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.k = num_speculative_tokens
+        self.max_tokens = max_tokens
+        self.jump_forward = jump_forward
+        self.builder = BitmaskBuilder(
+            tokenizer.vocab_size, max_num_seqs=1, num_speculative_tokens=self.k
+        )
+        self.masker = LogitsMasker(self.builder.width, self.k + 1)
+        self._stop = frozenset(tokenizer.stop_ids)
+
+    def decode(
+        self, state: GrammarState, model: LogitsModel, drafter: Drafter | None = None
+    ) -> DecodeResult:
+        """Decode until a stop token, ``max_tokens`` or a grammar error."""
+        out: list[int] = []
+        steps = saved = 0
+        while len(out) < self.max_tokens:
+            drafts: list[int] = []
+            if self.k and drafter is not None:
+                room = min(self.k, self.max_tokens - len(out) - 1)
+                drafts = trim_drafts(state, drafter.propose(out, room)[:room])
+            built = self.builder.build([state], [drafts])
+            if built.failures:
+                return self._result(out, steps, "error", built.failures[0], saved)
+            logits = model.logits([out + drafts[:i] for i in range(len(drafts) + 1)])
+            plan = plan_rows([self._ID], [self._ID], {self._ID: len(drafts)}, self.k + 1)
+            self.masker.apply(logits, built.bitmask, plan)
+            picks = logits.argmax(dim=-1).tolist()
+            steps += 1
+            accepted = []
+            for i, token in enumerate(picks):
+                accepted.append(token)
+                if i == len(drafts) or token != drafts[i] or token in self._stop:
+                    break
+            try:
+                state.accept_tokens(accepted)
+            except GrammarError as exc:
+                return self._result(out, steps, "error", exc, saved)
+            out += accepted
+            if accepted[-1] in self._stop or state.is_terminated:
+                return self._result(out, steps, "stop", None, saved)
+            if self.jump_forward is not None:
+                before = self.jump_forward.stats.num_steps_saved
+                self.jump_forward.jump(state, out)
+                saved += self.jump_forward.stats.num_steps_saved - before
+        del out[self.max_tokens :]
+        return self._result(out, steps, "length", None, saved)
+
+    def _result(self, out, steps, reason, error, saved) -> DecodeResult:
+        return DecodeResult(out, self.tokenizer.decode(out), steps, reason, error, saved)

@@ -1,0 +1,182 @@
+"""Jump-forward: emit grammar-forced text without a model step.
+
+When the grammar allows exactly one continuation for the next bytes
+(``find_jump_forward_string``: ``": "`` after a key, ``{"name": "`` at the
+start of a fixed object), those bytes need no model step. They are appended
+as tokens of the *model's* tokenizer, retokenized at the boundary:
+
+1. take the last few output tokens (the window, only tokens that fed the
+   grammar, shrunk until their bytes are whole UTF-8 characters);
+2. encode ``window text + forced text``;
+3. keep the longest common prefix of the old window ids and the new ids,
+   roll the grammar back over the rest of the window, and accept the new
+   suffix. With old ``[a, b, c]`` and new ``[a, d]``: roll back 2, accept
+   ``d``.
+
+The grammar ends in the same state as if the new tokens had been sampled
+one by one, because xgrammar matches bytes, not token boundaries.
+
+Model steps saved are counted conservatively as the growth of the output
+(``len(suffix) - rolled_back``, at least 0) per jump: a merge that shortens
+the output (``[a, b, c] -> [a, d]``) still saved the steps the forced text
+would have taken, but counts as zero.
+
+When outputs with and without jump-forward differ
+--------------------------------------------------
+With greedy sampling the forced text itself is always identical: the mask
+allows nothing else. What can differ is what comes after, through token
+boundaries:
+
+- The jump ends on a token boundary the model might not have chosen. A
+  model that would have emitted ``":"`` (closing quote, colon, and the
+  opening quote of a string value) as one token now continues after
+  ``": `` split as ``[":", " "]`` or similar. A model conditioned on token
+  ids (a real LM) sees a different context from there on and may choose
+  differently; a model conditioned on text (the synthetic model) does not.
+- Retokenizing the window replaces model-chosen splits with the
+  tokenizer's canonical ones (same text, different ids), which again only
+  matters to a model conditioned on ids.
+- Forced bytes that stop inside a multi-byte UTF-8 character are not
+  jumped (xgrammar's string stops before that character); they are sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from rank_worker.config import GrammarConfig
+from rank_worker.errors import GrammarError
+from rank_worker.grammar_state import GrammarState
+from rank_worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class JumpResult(NamedTuple):
+    """One jump: drop ``num_rollback`` output tokens, then append ``tokens``."""
+
+    num_rollback: int
+    tokens: list[int]
+    forced: str
+
+
+class JumpStats(msgspec.Struct, kw_only=True):
+    # Jumps performed.
+    num_jumps: int = 0
+    # Bytes of forced text emitted without a model step.
+    num_forced_bytes: int = 0
+    # Tokens appended by jumps (retokenized window tails included).
+    num_tokens_appended: int = 0
+    # Output tokens replaced by retokenization.
+    num_tokens_replaced: int = 0
+    # Model steps saved (net output growth per jump, at least 0).
+    num_steps_saved: int = 0
+
+
+def retokenize_plan(old: Sequence[int], new: Sequence[int]) -> tuple[int, list[int]]:
+    """Longest common prefix of ``old`` and ``new`` token ids.
+
+    Returns
+    -------
+    (num_rollback, suffix):
+        Roll back ``num_rollback`` tokens of ``old``, then accept ``suffix``.
+    """
+    k = 0
+    for a, b in zip(old, new):
+        if a != b:
+            break
+        k += 1
+    return len(old) - k, list(new[k:])
+
+
+class JumpForward:
+    """Per-rank jump-forward over grammar states (stateless between calls).
+
+    Parameters
+    ----------
+    tokenizer:
+        The model's tokenizer; forced text is encoded with it.
+    window:
+        Most trailing output tokens retokenized together with the forced
+        text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, window: int = 4) -> None:
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.tokenizer = tokenizer
+        self.window = window
+        self.stats = JumpStats()
+
+    @classmethod
+    def from_config(cls, config: GrammarConfig, tokenizer: Tokenizer) -> JumpForward | None:
+        """A ``JumpForward`` when ``grammar.jump_forward`` is on, else ``None``."""
+        return cls(tokenizer) if config.jump_forward else None
+
+    def plan(self, state: GrammarState, output: Sequence[int]) -> JumpResult | None:
+        """The jump available now, without changing anything.
+
+        ``output`` is the request's output token ids so far; its tail must be
+        the tokens most recently accepted by ``state``.
+        """
+        if not state.is_constrained or state.is_terminated:
+            return None
+        forced = state.matcher.find_jump_forward_string()
+        if not forced:
+            return None
+        tb = self.tokenizer.token_bytes
+        w = state.num_trailing_grammar_tokens(min(self.window, len(output)))
+        while w:
+            try:
+                text = b"".join(tb[t] for t in output[len(output) - w :]).decode("utf-8")
+                break
+            except UnicodeDecodeError:
+                w -= 1
+        else:
+            text = ""
+        old = list(output[len(output) - w :]) if w else []
+        new = self.tokenizer.encode(text + forced)
+        if self.tokenizer.decode_bytes(new) != (text + forced).encode("utf-8"):
+            # A tokenizer that does not round-trip cannot be spliced safely.
+            logger.debug("jump-forward skipped: %r does not round-trip", text + forced)
+            return None
+        num_rollback, suffix = retokenize_plan(old, new)
+        if not suffix:
+            return None
+        return JumpResult(num_rollback, suffix, forced)
+
+    def jump(self, state: GrammarState, output: list[int]) -> JumpResult | None:
+        """Perform the available jump on ``state`` and ``output`` (in place).
+
+        Returns
+        -------
+        JumpResult or None
+            What was done, or ``None`` when nothing is forced.
+        """
+        result = self.plan(state, output)
+        if result is None:
+            return None
+        removed = output[len(output) - result.num_rollback :] if result.num_rollback else []
+        state.rollback(result.num_rollback)
+        try:
+            state.accept_tokens(result.tokens)
+        except GrammarError:
+            # The bytes are grammar-forced, so this means the tokenizer and
+            # the grammar's vocabulary disagree. Put the state back.
+            logger.warning("jump-forward tokens %s rejected; jump skipped", result.tokens)
+            state.accept_tokens(removed)
+            return None
+        if result.num_rollback:
+            del output[-result.num_rollback :]
+        output.extend(result.tokens)
+        s = self.stats
+        s.num_jumps += 1
+        s.num_forced_bytes += len(result.forced.encode("utf-8"))
+        s.num_tokens_appended += len(result.tokens)
+        s.num_tokens_replaced += result.num_rollback
+        s.num_steps_saved += max(0, len(result.tokens) - result.num_rollback)
+        return result
