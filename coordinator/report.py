@@ -32,7 +32,9 @@ ranks, the path to hundreds of replicas)::
 A value ``x`` sent with its complement is equal on every rank exactly when
 ``AND(x) | AND(~x)`` is all ones. The first member's clock survives the AND
 because every other rank sends all ones. Reason codes are 1..32767 for the
-gather codec and 1..63 for the reduce codec; the lowest reduced code wins.
+gather codec and 1..63 for the reduce codec. When members fail a request for
+different reasons, the lowest code wins with either codec, so both give the
+same decision.
 
 Bitsets use numpy's native byte order; all ranks of a group are assumed to
 share it.
@@ -167,10 +169,13 @@ class GatherCodec:
         failed_words = np.bitwise_or.reduce(rows[:, self._failed : self._reasons], axis=0)
         failed = unpack_bits(failed_words, w)
         ready = unpack_bits(ready_words, w) & ~failed
-        codes = np.ascontiguousarray(rows[:, self._reasons :]).view(np.int16)[:, :w]
-        # The first member (in group order) that reported a failure names it.
-        first = np.argmax(codes != 0, axis=0)
-        reasons = np.where(failed, codes[first, np.arange(w)], 0).astype(np.int64)
+        codes = (
+            np.ascontiguousarray(rows[:, self._reasons :]).view(np.int16)[:, :w].astype(np.int32)
+        )
+        # The lowest code reported by any member names the failure, as in
+        # the reduce codec, so both ops give identical decisions.
+        lowest = np.where(codes > 0, codes, MAX_GATHER_REASON + 1).min(axis=0)
+        reasons = np.where(failed, lowest, 0).astype(np.int64)
         return Verdict(ready, failed, reasons, int(rows[:, 5].max()), consistent)
 
 
