@@ -1,0 +1,83 @@
+"""Fixtures for the transport tests: run ids, spawned peers, leak checks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import time
+from queue import Empty
+
+import pytest
+
+from sync.janitor import remove
+from tests.sync.transport_peers import ipc_dirs, shm_names
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A run id unique to this test; every segment the test makes carries it.
+
+    After the test, anything of this run left in /dev/shm or the temp dir is
+    removed and reported as a leak.
+    """
+    rid = f"t{secrets.token_hex(5)}"
+    yield rid
+    leaked = [("shm", n) for n in shm_names(rid)] + [("dir", d) for d in ipc_dirs(rid)]
+    for kind, name in leaked:
+        remove(kind, name)
+    assert not leaked, f"transport leaked {leaked}"
+
+
+class Peers:
+    """Spawned processes (``spawn`` context) that are killed and joined at teardown."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.started: list[mp.process.BaseProcess] = []
+
+    def start(self, target, *args, **kwargs) -> mp.process.BaseProcess:
+        proc = self.ctx.Process(target=target, args=args, kwargs=kwargs, daemon=True)
+        proc.start()
+        self.started.append(proc)
+        return proc
+
+    def queue(self):
+        return self.ctx.Queue()
+
+    def event(self):
+        return self.ctx.Event()
+
+    def results(self, queue, count: int, timeout: float = 90.0) -> dict[str, tuple]:
+        """``count`` reports from ``queue``, by name; fails after ``timeout`` s."""
+        got: dict[str, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pytest.fail(f"only {sorted(got)} of {count} peers reported within {timeout} s")
+            try:
+                report = queue.get(timeout=min(remaining, 0.5))
+            except Empty:
+                if not any(p.is_alive() for p in self.started) and queue.empty():
+                    codes = [p.exitcode for p in self.started]
+                    pytest.fail(f"peers exited (codes {codes}) with only {sorted(got)} reported")
+                continue
+            got[report[0]] = report
+        return got
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.started:
+            proc.join(10)
+
+
+@pytest.fixture
+def peers():
+    """Spawn helper; every process it started is killed and joined afterwards."""
+    helper = Peers()
+    try:
+        yield helper
+    finally:
+        helper.close()
