@@ -1,0 +1,117 @@
+"""gramcoord check: every record gets a line, bad ones included; exit 0."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+
+import pytest
+
+from launch.check import run_check
+from launch.cli import main
+from launch.config import load_config
+from launch.workload import parse_record
+
+
+@pytest.mark.parametrize(
+    ("line", "kind", "error"),
+    [
+        pytest.param(
+            '{"id": "s", "schema": {"type": "object"}, "instances": [{"valid": true, "data": {"a": 1}}]}',
+            "json",
+            None,
+            id="schema",
+        ),
+        pytest.param('{"id": "r", "kind": "regex", "regex": "^a+$"}', "regex", None, id="regex"),
+        pytest.param(
+            '{"id": "v", "prompt": "hi", "max_tokens": 9, "structured_outputs": {"choice": ["x"]}}',
+            "choice",
+            None,
+            id="vllm",
+        ),
+        pytest.param("{nope", None, "not JSON", id="bad-json"),
+        pytest.param("[1]", None, "not an object", id="not-object"),
+        pytest.param('{"id": "q"}', None, "none of", id="unknown-shape"),
+    ],
+)
+def test_record_formats(line, kind, error):
+    rec = parse_record(0, line)
+    assert (rec.error is None) == (error is None)
+    if error:
+        assert error in rec.error
+    else:
+        assert kind in rec.spec
+
+
+def test_schema_record_reference():
+    rec = parse_record(
+        0,
+        '{"schema": {}, "instances": [{"valid": false, "data": 1}, {"valid": true, "data": {"k": "v"}}]}',
+    )
+    assert json.loads(rec.reference) == {"k": "v"}
+
+
+WORKLOAD = "\n".join(
+    [
+        '{"id": "ok1", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}',
+        '{"id": "dup", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}',
+        "this is not json",
+        '{"id": "unique", "schema": {"type": "array", "uniqueItems": true}}',
+        '{"id": "re", "kind": "regex", "regex": "[0-9]{3}-[a-z]+"}',
+        '{"id": "badre", "kind": "regex", "regex": "(unclosed"}',
+        '{"id": "badre2", "kind": "regex", "regex": "(unclosed"}',
+        '{"id": "vllm", "structured_outputs": {"choice": ["yes", "no"]}}',
+        "",
+        '{"id": "empty", "structured_outputs": {"choice": []}}',
+    ]
+)
+
+
+def test_check_lines_and_summary(tmp_path, tiny_tokenizer, monkeypatch):
+    path = tmp_path / "w.jsonl"
+    path.write_text(WORKLOAD)
+    monkeypatch.setattr("launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
+    out = io.BytesIO()
+    summary = run_check(load_config(), str(path), out)
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [ln["id"] for ln in lines] == [
+        "ok1",
+        "dup",
+        "line-2",
+        "unique",
+        "re",
+        "badre",
+        "badre2",
+        "vllm",
+        "empty",
+    ]
+    by_id = {ln["id"]: ln for ln in lines}
+    assert by_id["ok1"]["status"] == "ok" and by_id["ok1"]["cache"] == "miss"
+    assert by_id["dup"]["status"] == "ok" and by_id["dup"]["cache"] in ("joined", "hit")
+    assert by_id["line-2"]["code"] == "record_invalid"
+    assert by_id["unique"]["code"] == "schema_unsupported_feature"
+    assert by_id["badre"]["code"] == "grammar_invalid"
+    assert by_id["badre2"]["code"] == "grammar_invalid" and by_id["badre2"]["cache"] in (
+        "joined",
+        "poisoned",
+    )
+    assert by_id["empty"]["code"] == "spec_empty_choice"
+    assert set(lines[0]) == {"id", "status", "code", "message", "warnings", "compile_ms", "cache"}
+    # The summary is exactly the per-line file, counted.
+    assert summary.records == len(lines)
+    assert summary.by_status == dict(Counter(ln["status"] for ln in lines))
+    assert summary.by_cache == dict(Counter(ln["cache"] for ln in lines))
+
+
+def test_cli_exit_codes(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr("launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": "x", "kind": "regex", "regex": "(bad"}\n')
+    out = tmp_path / "o.jsonl"
+    assert (
+        main(["check", str(path), "--out", str(out), "--set", "grammar.compile_timeout_s=3"]) == 0
+    )
+    assert json.loads(out.read_text())["status"] == "invalid"
+    assert main(["check", str(tmp_path / "missing.jsonl")]) == 2
+    assert main(["check", str(path), "--set", "grammar.compile_timeout_s=oops"]) == 2
