@@ -5,11 +5,17 @@ by every request that joined it. Results are handed to the manager, which
 decides (at agreed points) what enters the compile and poison caches.
 
 Deadlines are wall-clock from the moment a worker starts the compile. A
-thread cannot be killed, so a compile that overruns keeps its worker: it is
-counted as *stuck*. When stuck compiles occupy every worker the pool is
+thread cannot be killed, so a compile that overruns keeps its thread: it is
+counted as *stuck*, and a spare worker takes its place so the pool keeps
+its capacity (the stuck thread exits when its compile returns). Only when
+``grammar.num_stuck_compiles`` compiles are stuck at once is the pool
 *saturated*: new misses, and jobs still queued, fail at once with
-``grammar_pool_saturated`` instead of waiting behind them. Capacity comes
-back as soon as a stuck compile returns.
+``grammar_pool_saturated`` instead of waiting behind them.
+
+NOTE: a fixed pool without replacement (the simple design) saturates on the
+first stuck compile when the pool has one worker, which is the default on a
+2-core machine: `gramcoord check` on the 600 dev schemas then reported 125
+of them saturated; with replacement, none.
 
 In ``sync`` mode the compile runs inline and is never timed out: under an
 external launcher every rank must reach the same verdict without a
@@ -20,10 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import xgrammar as xgr
@@ -83,7 +89,9 @@ class CompileJob:
         self.result: Any = None
         # (ErrorCode, message) once the job failed.
         self.error: tuple[ErrorCode, str] | None = None
-        self.future: Future | None = None
+        # Set once a spare worker took this (stuck) job's place: its thread
+        # exits when the compile returns.
+        self.replaced = False
         # Measured with perf_counter, independent of the (injectable)
         # deadline clock.
         self.compile_ms = 0.0
@@ -131,6 +139,7 @@ class CompileService:
         self.sync = config.compile_mode == "sync"
         self.timeout_s = config.compile_timeout_s
         self.pool_size = config.pool_size
+        self.stuck_limit = config.stuck_limit
         self._compile = compile_fn
         self._clock = clock
         self._lock = threading.Lock()
@@ -138,12 +147,29 @@ class CompileService:
         # Jobs a worker thread is executing right now, decided or not: a
         # timed-out job leaves _inflight but keeps its thread until it ends.
         self._running: set[CompileJob] = set()
-        self._pool = (
-            None
-            if self.sync
-            else ThreadPoolExecutor(self.pool_size, thread_name_prefix="gramcoord-compile")
-        )
+        self._queue: queue.SimpleQueue[CompileJob | None] = queue.SimpleQueue()
+        self._num_threads = 0
+        self._closed = False
         self.num_compiles = 0
+        if not self.sync:
+            for _ in range(self.pool_size):
+                self._spawn_worker()
+
+    def _spawn_worker(self) -> None:
+        self._num_threads += 1
+        t = threading.Thread(
+            target=self._worker, name=f"gramcoord-compile-{self._num_threads}", daemon=True
+        )
+        t.start()
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(job)
+            if job.replaced:
+                return
 
     # -- submission -------------------------------------------------------
 
@@ -158,16 +184,16 @@ class CompileService:
         job = CompileJob(spec, self._clock())
         self._inflight[spec.key] = job
         self.num_compiles += 1
-        if self._pool is None:
+        if self.sync:
             self._run(job)
-        elif self.num_stuck() >= self.pool_size:
+        elif self.num_stuck() >= self.stuck_limit:
             job.fail(
                 ErrorCode.grammar_pool_saturated,
-                f"all {self.pool_size} compile workers are stuck in compiles past "
-                f"{self.timeout_s:g}s; retry later",
+                f"{self.stuck_limit} compiles are stuck past {self.timeout_s:g}s "
+                "(grammar.num_stuck_compiles); retry later",
             )
         else:
-            job.future = self._pool.submit(self._run, job)
+            self._queue.put(job)
         return job, False
 
     def _run(self, job: CompileJob) -> None:
@@ -208,28 +234,31 @@ class CompileService:
         return sum(1 for j in running if now - (j.started_at or now) > self.timeout_s)
 
     def poll(self) -> None:
-        """Fail jobs past their deadline; fail queued jobs if saturated."""
-        if self._pool is None:
+        """Fail jobs past their deadline, replace their workers, and fail
+        queued jobs when saturated."""
+        if self.sync or self._closed:
             return
         now = self._clock()
         with self._lock:
-            for job in list(self._inflight.values()):
-                if job.done.is_set():
-                    continue
-                if job.started_at is not None and now - job.started_at > self.timeout_s:
-                    job.fail(
-                        ErrorCode.grammar_timeout,
-                        f"compile ran past grammar.compile_timeout_s={self.timeout_s:g}s",
-                    )
-        if self.num_stuck() >= self.pool_size:
+            overdue = [j for j in self._running if now - (j.started_at or now) > self.timeout_s]
+            for job in overdue:
+                job.fail(
+                    ErrorCode.grammar_timeout,
+                    f"compile ran past grammar.compile_timeout_s={self.timeout_s:g}s",
+                )
+                # Replace the worker unless the stuck budget is spent (then
+                # the pool is saturated and nothing more should start).
+                if not job.replaced and len(overdue) < self.stuck_limit:
+                    job.replaced = True
+                    self._spawn_worker()
+        if self.num_stuck() >= self.stuck_limit:
             with self._lock:
                 for job in self._inflight.values():
                     if job.started_at is None and not job.done.is_set():
-                        if job.future is not None:
-                            job.future.cancel()
                         job.fail(
                             ErrorCode.grammar_pool_saturated,
-                            "every compile worker is stuck past its deadline; retry later",
+                            f"{self.stuck_limit} compiles are stuck past their deadline; "
+                            "retry later",
                         )
 
     def forget(self, job: CompileJob) -> None:
@@ -242,7 +271,13 @@ class CompileService:
         return job.done.wait(timeout_s)
 
     def close(self) -> None:
-        if self._pool is not None:
-            # Stuck compiles cannot be joined; do not wait for them.
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stop the workers; stuck compiles are daemon threads, not joined."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            for job in self._inflight.values():
+                if job.started_at is None:
+                    job.fail(ErrorCode.aborted, "compile service closed")
+        for _ in range(self._num_threads):
+            self._queue.put(None)

@@ -52,6 +52,10 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     compile_mode: Literal["async", "sync"] = "async"
     # Compile pool threads; 0 means max(1, cpu_count // 2).
     num_compile_workers: NonNegInt = 0
+    # Compiles that may run on past their deadline before new misses fail
+    # fast with grammar_pool_saturated. Each stuck compile is replaced by a
+    # spare worker, so capacity survives. 0 means 2 x the pool size.
+    num_stuck_compiles: NonNegInt = 0
     # Wall-clock deadline of one compile, in seconds.
     compile_timeout_s: PositiveFloat = 30.0
     # How long a TIMEOUT poison entry bans its key. INVALID is permanent.
@@ -82,6 +86,10 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     @property
     def pool_size(self) -> int:
         return self.num_compile_workers or default_pool_size()
+
+    @property
+    def stuck_limit(self) -> int:
+        return self.num_stuck_compiles or 2 * self.pool_size
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -138,7 +138,9 @@ def test_timeout_poisons_with_ttl(tiny_tokenizer):
 
 def test_saturation_fails_fast_and_recovers(tiny_tokenizer):
     backend = GatedBackend(tiny_tokenizer)
-    m, clock, _ = make(tiny_tokenizer, backend, compile_timeout_s=5, num_compile_workers=1)
+    m, clock, _ = make(
+        tiny_tokenizer, backend, compile_timeout_s=5, num_compile_workers=1, num_stuck_compiles=1
+    )
     m.add("stuck", SCHEMA_A)
     assert backend.started.acquire(timeout=10)
     m.add("queued", SCHEMA_B)  # waits behind the stuck compile
@@ -160,6 +162,26 @@ def test_saturation_fails_fast_and_recovers(tiny_tokenizer):
         time.sleep(0.01)
     m.add("later", {"regex": "[a-z]+"})
     assert drain(m)[0].status == "admitted"
+
+
+def test_stuck_worker_is_replaced(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, clock, _ = make(
+        tiny_tokenizer, backend, compile_timeout_s=5, num_compile_workers=1, num_stuck_compiles=2
+    )
+    m.add("stuck", SCHEMA_A)
+    assert backend.started.acquire(timeout=10)
+    m.add("queued", SCHEMA_B)
+    clock.t += 6
+    [timed_out] = m.step()
+    assert timed_out.code == "grammar_timeout"
+    # A spare worker took the stuck one's place: the queued compile starts
+    # even though the stuck compile still holds its thread.
+    assert backend.started.acquire(timeout=10)
+    assert m.service.num_stuck() == 1
+    backend.gate.set()
+    [done] = drain(m)
+    assert (done.request_id, done.status) == ("queued", "admitted")
 
 
 def test_sync_mode_compiles_inline_without_timeout(tiny_tokenizer):
