@@ -1,0 +1,130 @@
+"""Per-step admission of one stage leader: the coordinator meets the manager.
+
+``Admission`` adapts a ``GrammarManager`` to the coordinator's ``Member``
+calls and runs one step:
+
+- deciders report ``manager.local_status()``, share new failures, and apply
+  the agreed decision;
+- later pipeline stages (``pp_sync: chain``) apply stage 0's decision as it
+  is. An admitted request whose local compile has not finished is waited
+  for, all of them against one deadline (``grammar.compile_timeout_s`` by
+  default); whatever is still not compiled then fails with
+  ``grammar_stage_timeout``. A stage never hangs on a compile.
+
+With no coordinator (one rank) it falls back to ``manager.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from coordinator.config import DistributedConfig
+from coordinator.coordinator import Coordinator
+from coordinator.layout import ParallelLayout
+from coordinator.runtime import Comm
+from coordinator.status import Decision, LocalStatus, PoisonRecord
+from rank_worker.manager import GrammarManager, Outcome
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """One stage leader's admission step.
+
+    Parameters
+    ----------
+    manager:
+        This rank's grammar manager.
+    coordinator:
+        The rank's coordinator, or ``None`` on a single rank.
+    stage_wait_s:
+        How long a later stage waits, per step, for local compiles of
+        requests stage 0 admitted; defaults to ``compile_timeout_s``.
+    clock:
+        Monotonic seconds (tests inject one).
+    """
+
+    def __init__(
+        self,
+        manager: GrammarManager,
+        coordinator: Coordinator | None,
+        *,
+        stage_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self.coordinator = coordinator
+        self.stage_wait_s = (
+            manager.config.compile_timeout_s if stage_wait_s is None else stage_wait_s
+        )
+        self._clock = clock
+        self.follower = coordinator is not None and not coordinator.decider
+
+    @classmethod
+    def build(
+        cls,
+        manager: GrammarManager,
+        layout: ParallelLayout,
+        comm: Comm,
+        distributed: DistributedConfig,
+    ) -> Admission:
+        """Admission for ``comm.rank`` (a stage leader), sized from the manager's config."""
+        coordinator = None
+        if layout.world_size > 1:
+            coordinator = Coordinator.from_config(
+                layout,
+                comm,
+                distributed,
+                max_pending=manager.config.max_pending,
+                compile_mode=manager.config.compile_mode,
+            )
+        return cls(manager, coordinator)
+
+    def step(self, step: int) -> list[Outcome]:
+        """Run step ``step``; returns the outcomes of requests admitted or failed.
+
+        Raises
+        ------
+        DivergenceError, PeerLostError
+            From the coordinator; both end the step loop.
+        """
+        if self.coordinator is None:
+            return self.manager.step()
+        return self.coordinator.step(step, self).outcome
+
+    # -- coordinator.Member ---------------------------------------------------
+
+    def local_status(self) -> LocalStatus:
+        return self.manager.local_status()
+
+    def new_failures(self) -> list[PoisonRecord]:
+        return self.manager.new_failures()
+
+    def apply_poison(self, records: Sequence[PoisonRecord]) -> None:
+        self.manager.apply_poison(records)
+
+    def apply_decision(self, decision: Decision) -> list[Outcome]:
+        if not self.follower:
+            return self.manager.apply_decision(decision)
+        deadline = self._clock() + self.stage_wait_s
+        for seq in decision.ready:
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            self.manager.wait_ready(seq, left)
+        outcomes = self.manager.apply_decision(decision, wait_s=0.0)
+        # Stage 0 already shares these keys; a follower's copy is redundant.
+        self.manager.new_failures()
+        late = [o for o in outcomes if o.code == "grammar_stage_timeout"]
+        if late:
+            logger.warning(
+                "[rank %d] step %d: %d admitted requests not compiled here within %.1fs: %s",
+                self.coordinator.rank if self.coordinator else 0,
+                decision.step,
+                len(late),
+                self.stage_wait_s,
+                [o.request_id for o in late],
+            )
+        return outcomes

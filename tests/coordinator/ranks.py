@@ -1,0 +1,190 @@
+"""Rank bodies for the spawned coordinator tests (importable by spawned children).
+
+Each body runs inside a gloo world made by ``tests.procs.run_ranks`` and
+returns plain values for the parent to compare across ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from coordinator.config import DistributedConfig
+from coordinator.errors import PeerLostError
+from coordinator.layout import ParallelLayout
+from coordinator.runtime import Runtime
+from rank_worker.admission import Admission
+from rank_worker.compile_service import XGrammarBackend
+from rank_worker.config import GrammarConfig
+from rank_worker.manager import GrammarManager
+from rank_worker.spec import validate_spec
+from tests.conftest import make_tiny_tokenizer
+
+SPECS = [{"regex": "[a-z]+"}, {"regex": "[0-9]+"}, {"regex": "(ab)+"}, {"regex": "x+y"}]
+
+
+class DelayedBackend:
+    """The real backend, after a per-spec delay (seconds) chosen per rank."""
+
+    def __init__(self, tokenizer, delays: dict[str, float]) -> None:
+        self.real = XGrammarBackend(tokenizer)
+        self.delays = delays
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, spec):
+        self.calls[spec.text] = self.calls.get(spec.text, 0) + 1
+        time.sleep(self.delays.get(spec.text, 0.0))
+        return self.real(spec)
+
+
+class RecordingAdmission(Admission):
+    """Keeps what this rank reported each step, to check decisions against."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.reported: list[dict[int, int]] = []
+
+    def local_status(self):
+        status = super().local_status()
+        self.reported.append(dict(zip(status.seqs, status.states)))
+        return status
+
+
+def _setup(rank, layout, grammar: dict, delays: dict, step_timeout_s: float = 10.0):
+    tokenizer = make_tiny_tokenizer()
+    backend = DelayedBackend(tokenizer, delays)
+    manager = GrammarManager(GrammarConfig(**grammar), tokenizer, compile_fn=backend)
+    distributed = DistributedConfig(step_timeout_s=step_timeout_s)
+    runtime = Runtime.attach(layout, distributed=distributed)
+    base = Admission.build(manager, layout, runtime, distributed)
+    admission = RecordingAdmission(manager, base.coordinator)
+    return manager, backend, runtime, admission
+
+
+def _key(spec) -> str:
+    return validate_spec(spec, GrammarConfig(), vocab="tiny").key.hex()
+
+
+def _summary(decision):
+    return (decision.step, decision.ready, decision.failed)
+
+
+def agreement_body(rank, world, delays_by_rank):
+    """Replicated dp=2: same stream, per-rank compile delays; step until settled."""
+    layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
+    grammar = dict(max_pending=8, compile_timeout_s=0.8, num_compile_workers=2)
+    manager, _backend, runtime, admission = _setup(rank, layout, grammar, delays_by_rank[rank])
+    history, outcomes = [], []
+    with runtime:
+        for i, spec in enumerate(SPECS):
+            manager.add(f"r{i}", spec, seq=i)
+        step = 0
+        while manager.num_pending or manager.num_waiting:
+            step += 1
+            result = admission.coordinator.step(step, admission)
+            history.append(_summary(result.decision))
+            outcomes += [(o.request_id, o.status, o.code) for o in result.outcome]
+            assert step < 2000, "never settled"
+            time.sleep(0.01)
+        timed_out = [s for s in SPECS if delays_by_rank[rank].get(s["regex"], 0) > 1]
+        poisoned = {
+            _key(s): manager.poison.get(bytes.fromhex(_key(s)), manager.agreed_ms) is not None
+            for s in SPECS
+        }
+    manager.close()
+    return dict(
+        history=history,
+        reported=admission.reported,
+        outcomes=sorted(outcomes),
+        poisoned=poisoned,
+        timed_out=timed_out,
+        agreed_ms=manager.agreed_ms,
+    )
+
+
+def pipeline_body(rank, world, delays_by_rank, steps):
+    """dp=1 pp=3 chain: stage 0 decides, later stages follow for ``steps`` steps."""
+    layout = ParallelLayout(dp=1, pp=world, tp=1)
+    grammar = dict(max_pending=8, compile_timeout_s=5.0, num_compile_workers=2, _wait=0.4)
+    grammar_cfg = {k: v for k, v in grammar.items() if not k.startswith("_")}
+    tokenizer = make_tiny_tokenizer()
+    backend = DelayedBackend(tokenizer, delays_by_rank[rank])
+    manager = GrammarManager(GrammarConfig(**grammar_cfg), tokenizer, compile_fn=backend)
+    distributed = DistributedConfig(step_timeout_s=10.0)
+    history, outcomes = [], []
+    with Runtime.attach(layout, distributed=distributed) as runtime:
+        base = Admission.build(manager, layout, runtime, distributed)
+        admission = Admission(manager, base.coordinator, stage_wait_s=grammar["_wait"])
+        for i, spec in enumerate(SPECS):
+            manager.add(f"r{i}", spec, seq=i)
+        for step in range(1, steps + 1):
+            result = admission.coordinator.step(step, admission)
+            history.append(_summary(result.decision))
+            outcomes += [(o.request_id, o.status, o.code) for o in result.outcome]
+            time.sleep(0.02)
+    manager.close()
+    return dict(history=history, outcomes=sorted(outcomes), follower=admission.follower)
+
+
+def poison_body(rank, world, steps, re_add_step):
+    """Partitioned dp=2: a key times out on replica 0; replica 1 fails it with no compile."""
+    layout = ParallelLayout(dp=world, pp=1, tp=1, requests="partitioned")
+    slow = SPECS[2]["regex"]
+    delays = {slow: 1.0} if rank == 0 else {slow: 3.0}
+    grammar = dict(max_pending=8, compile_timeout_s=0.3, num_compile_workers=2)
+    manager, backend, runtime, admission = _setup(rank, layout, grammar, delays)
+    outcomes, shared_at = [], []
+    with runtime:
+        manager.add("own-0", SPECS[0], seq=0)
+        manager.add("slow-1", SPECS[2], seq=1)
+        for step in range(1, steps + 1):
+            if step == re_add_step:
+                again = manager.add("slow-again", SPECS[2], seq=2)
+                outcomes.append((again.request_id, again.status, again.code, again.cache))
+            result = admission.coordinator.step(step, admission)
+            if result.poison:
+                shared_at.append(step)
+            outcomes += [(o.request_id, o.status, o.code, o.cache) for o in result.outcome]
+            time.sleep(0.02)
+    manager.close()
+    return dict(
+        outcomes=outcomes,
+        shared_at=shared_at,
+        compiles_of_slow=backend.calls.get(slow, 0),
+        agreed_ms=manager.agreed_ms,
+        poison_exchanges=admission.coordinator.poison.exchanges,
+    )
+
+
+def lost_peer_body(rank, world, layout_kw, victim, how, step_timeout_s, pid_dir):
+    """Run fake steps until ``victim`` dies or hangs at step 5; report the error."""
+    with open(os.path.join(pid_dir, f"pid.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    layout = ParallelLayout(**layout_kw)
+    manager_cfg = dict(max_pending=4, compile_timeout_s=5.0, num_compile_workers=1)
+    manager, _, runtime, admission = _setup(rank, layout, manager_cfg, {}, step_timeout_s)
+    manager.add("r0", SPECS[0], seq=0)
+    last_ok = time.monotonic()
+    try:
+        for step in range(1, 10_000):
+            if rank == victim and step == 5:
+                if how == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(step_timeout_s * 2)
+                return dict(hung=True)
+            admission.coordinator.step(step, admission)
+            last_ok = time.monotonic()
+            time.sleep(0.01)
+    except PeerLostError as exc:
+        return dict(
+            error=type(exc).__name__,
+            ranks=exc.ranks,
+            operation=exc.operation,
+            message=str(exc),
+            waited_s=time.monotonic() - last_ok,
+            closed=runtime._closed,
+        )
+    finally:
+        manager.close()
+    return dict(error=None)
