@@ -1,0 +1,16 @@
+"""Command line, cluster configs, workloads and the benchmark contract."""
+
+from launch.bench import BenchRecord, median_ms, run_bench
+from launch.config import ClusterConfig, ConfigError, load_config
+from launch.workload import WorkloadRecord, read_workload
+
+__all__ = [
+    "BenchRecord",
+    "ClusterConfig",
+    "ConfigError",
+    "WorkloadRecord",
+    "load_config",
+    "median_ms",
+    "read_workload",
+    "run_bench",
+]
