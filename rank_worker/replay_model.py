@@ -35,11 +35,15 @@ _CLOSERS = ("}", "]", '"', '"}', "}}", "]}", '"]')
 
 @functools.lru_cache(maxsize=4)
 def _vocab_index(tokenizer: Tokenizer) -> tuple[dict[bytes, int], int]:
-    """Token bytes -> id (first id wins) and the longest token's length."""
+    """Token bytes -> id (first id wins) and the longest token's length.
+
+    Special tokens are included (a reference may spell ``</think>``) but
+    stop tokens are not: the stop token is chosen at the reference's end.
+    """
     index: dict[bytes, int] = {}
-    special = set(tokenizer.special_ids.values())
+    stops = set(tokenizer.stop_ids)
     for i, b in enumerate(tokenizer.token_bytes):
-        if b and i not in special:
+        if b and i not in stops:
             index.setdefault(b, i)
     return index, max(len(b) for b in index)
 

@@ -1,0 +1,135 @@
+"""Jump-forward: forced text without model steps, retokenization at the
+boundary, and identical outputs on the dev schemas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rank_worker.config import GrammarConfig
+from rank_worker.decoder import GreedyDecoder
+from rank_worker.gate import Gate
+from rank_worker.grammar_state import GrammarState
+from rank_worker.jump_forward import JumpForward, retokenize_plan
+from rank_worker.replay_model import ReplayModel
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+ALPHABET = {"enum": ["alphabet"]}
+CLEF = {"enum": ["\U0001d11exyz"]}
+A, B, C, D, E = 11, 12, 13, 14, 15
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "rollback", "suffix"),
+    [
+        pytest.param([A, B, C], [A, D], 2, [D], id="merge"),
+        pytest.param([A, B], [A, B, C], 0, [C], id="append"),
+        pytest.param([A, B], [C], 2, [C], id="replace-all"),
+        pytest.param([], [A, B], 0, [A, B], id="empty-window"),
+        pytest.param([A, B], [A, B], 0, [], id="nothing-new"),
+        pytest.param([A, B, C], [A, B, D, E], 1, [D, E], id="split"),
+    ],
+)
+def test_retokenize_plan(old, new, rollback, suffix):
+    assert retokenize_plan(old, new) == (rollback, suffix)
+
+
+def mask(state: GrammarState) -> np.ndarray:
+    row = np.zeros((1, (state.vocab_size + 31) // 32), dtype=np.int32)
+    state.fill_row(row, 0)
+    return row[0]
+
+
+def assert_same_state(state: GrammarState, compiled, output: list[int]) -> None:
+    """``state`` must equal a fresh state that accepted ``output`` directly."""
+    direct = GrammarState(compiled)
+    direct.accept_tokens(output)
+    np.testing.assert_array_equal(mask(state), mask(direct))
+    assert state.matcher.find_jump_forward_string() == direct.matcher.find_jump_forward_string()
+    assert state.matcher.is_completed() == direct.matcher.is_completed()
+
+
+@pytest.mark.parametrize(
+    ("schema", "prefix", "window", "rollback", "text"),
+    [
+        pytest.param(PERSON, "", 4, 0, '{"name": "', id="object-start"),
+        pytest.param(PERSON, '{"name": "Al", "age', 4, 0, '{"name": "Al", "age": ', id="key"),
+        pytest.param(ALPHABET, '"al', 4, 1, '"alphabet"', id="merge-with-tail"),
+        pytest.param(ALPHABET, '"al|ph', 4, 2, '"alphabet"', id="merge-two"),
+        pytest.param(CLEF, '"\U0001d11ex', 2, 1, '"\U0001d11exyz"', id="window-not-utf8"),
+    ],
+)
+def test_jump_emits_forced_text_and_matches_direct_acceptance(
+    qwen_tokenizer, compile_json, schema, prefix, window, rollback, text
+):
+    compiled = compile_json(qwen_tokenizer, schema, any_whitespace=False)
+    state = GrammarState(compiled)
+    # "|" separates pieces the model emitted as separate tokens.
+    output = [t for part in prefix.split("|") if part for t in qwen_tokenizer.encode(part)]
+    state.accept_tokens(output)
+    jf = JumpForward(qwen_tokenizer, window=window)
+    result = jf.jump(state, output)
+    assert result is not None
+    assert result.num_rollback == rollback
+    assert qwen_tokenizer.decode(output) == text
+    assert_same_state(state, compiled, output)
+    assert jf.stats.num_jumps == 1
+    assert jf.stats.num_steps_saved == max(0, len(result.tokens) - rollback)
+    # Nothing more is forced right after a jump.
+    assert jf.plan(state, output) is None
+
+
+def test_nothing_to_jump(qwen_tokenizer, compile_json):
+    jf = JumpForward(qwen_tokenizer)
+    free = GrammarState(compile_json(qwen_tokenizer, {"type": "object"}))
+    output = qwen_tokenizer.encode("{")
+    free.accept_tokens(output)
+    assert jf.jump(free, output) is None, "'}', '\"' and whitespace may follow"
+    gated = GrammarState(
+        compile_json(qwen_tokenizer, PERSON, any_whitespace=False),
+        gate=Gate(think_end_ids=[qwen_tokenizer.special_ids["</tool_call>"]]),
+    )
+    assert jf.jump(gated, []) is None, "no jump while reasoning"
+    assert jf.stats.num_jumps == 0
+
+
+def test_window_stops_at_the_constraint_start(qwen_tokenizer, compile_json):
+    end = qwen_tokenizer.special_ids["</tool_call>"]
+    compiled = compile_json(qwen_tokenizer, PERSON, any_whitespace=False)
+    state = GrammarState(compiled, gate=Gate(think_end_ids=[end]))
+    output = [*qwen_tokenizer.encode("hmm"), end]
+    state.accept_tokens(output)
+    result = JumpForward(qwen_tokenizer).jump(state, output)
+    assert result is not None and result.num_rollback == 0
+    assert output[: len(output) - len(result.tokens)] == [*qwen_tokenizer.encode("hmm"), end]
+    assert qwen_tokenizer.decode(result.tokens) == '{"name": "'
+
+
+@pytest.mark.parametrize(("enabled", "expected"), [(True, JumpForward), (False, type(None))])
+def test_config_switch(qwen_tokenizer, enabled, expected):
+    config = GrammarConfig(jump_forward=enabled)
+    assert isinstance(JumpForward.from_config(config, qwen_tokenizer), expected)
+
+
+def test_dev_schemas_same_text_fewer_steps(qwen_tokenizer, dev_pool):
+    """Greedy outputs with and without jump-forward are the same text; the
+    forced text costs no model step."""
+    plain = GreedyDecoder(qwen_tokenizer)
+    steps = {False: 0, True: 0}
+    for sid, compiled, text in dev_pool[False][:12]:
+        model = ReplayModel(qwen_tokenizer, text)
+        jf = JumpForward(qwen_tokenizer)
+        with_jf = GreedyDecoder(qwen_tokenizer, jump_forward=jf)
+        a = plain.decode(GrammarState(compiled), model)
+        b = with_jf.decode(GrammarState(compiled), model)
+        assert a.finish_reason == b.finish_reason == "stop", sid
+        assert a.text == b.text == text, sid
+        assert b.num_steps <= a.num_steps, sid
+        assert b.num_steps_saved == jf.stats.num_steps_saved
+        steps[False] += a.num_steps
+        steps[True] += b.num_steps
+    assert steps[True] < steps[False]
