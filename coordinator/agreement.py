@@ -28,6 +28,8 @@ from coordinator.errors import CoordinatorError, DivergenceError
 from coordinator.report import CODECS, Verdict, Window, fingerprint, window_of
 from coordinator.status import Decision, LocalStatus, PendingState
 
+_PENDING, _READY, _FAILED = (int(s) for s in PendingState)
+
 logger = logging.getLogger(__name__)
 
 Gather = Callable[[np.ndarray], np.ndarray]
@@ -129,7 +131,7 @@ class Agreement:
         """
         win = window_of(status, self.window, self._codec.max_reason)
         if self.compile_mode == "sync":
-            pending = win.states == PendingState.PENDING
+            pending = win.states == _PENDING
             if bool(pending.any()):
                 raise CoordinatorError(
                     f"[rank {self.rank}] compile_mode is sync but seq "
@@ -153,8 +155,8 @@ class Agreement:
         self._clock_ms = max(self._clock_ms, int(clock_ms))
 
     def _local(self, step: int, win: Window) -> Decision:
-        ready = win.states == PendingState.READY
-        return self._decision(step, win, ready, win.states == PendingState.FAILED, win.reasons)
+        ready = win.states == _READY
+        return self._decision(step, win, ready, win.states == _FAILED, win.reasons)
 
     def _decision(
         self,

@@ -2,7 +2,7 @@
 
 With ``pp_sync: chain`` the stage-0 leader of each replica decides, and the
 decision travels point to point ``stage k -> stage k+1`` every step. One
-message of fixed size (``HEADER + window`` int64 words)::
+message of at most ``HEADER + window`` int64 words::
 
     word 0   MAGIC_DECISION
     word 1   step           checked by the receiver against its own step
@@ -11,6 +11,10 @@ message of fixed size (``HEADER + window`` int64 words)::
     word 4   n_failed
     word 5   n_poison       records that follow in a second message
     body     n_ready words (seq << 16), then n_failed words (seq << 16 | reason)
+
+Only the used words are sent: the receiver posts the full-size buffer and
+reads the counts from the header (gloo accepts a message shorter than the
+posted buffer), so an empty decision costs as much as a 6-word ping.
 
 The poison records shared this step (``coordinator.poison_share``) follow
 in a second message only when there are any, so later stages poison the
@@ -46,7 +50,8 @@ class DecisionCodec:
         self.window = window
         self.size = HEADER + window
 
-    def encode(self, decision: Decision, n_poison: int, out: np.ndarray) -> None:
+    def encode(self, decision: Decision, n_poison: int, out: np.ndarray) -> int:
+        """Write the message into ``out``; returns the number of words used."""
         n_ready, n_failed = len(decision.ready), len(decision.failed)
         assert n_ready + n_failed <= self.window, "decision larger than the window"
         out[:HEADER] = (
@@ -63,6 +68,7 @@ class DecisionCodec:
         if n_failed:
             pairs = np.asarray(decision.failed, dtype=np.int64)
             body[n_ready : n_ready + n_failed] = (pairs[:, 0] << REASON_BITS) | pairs[:, 1]
+        return HEADER + n_ready + n_failed
 
     def decode(self, msg: np.ndarray) -> tuple[Decision, int]:
         """-> (decision, number of poison records that follow)."""
@@ -112,8 +118,8 @@ class Chain:
     def send(self, decision: Decision, poison: tuple[PoisonRecord, ...] = ()) -> None:
         """Stage 0: send this step's decision (and poison) to stage 1."""
         assert self.next is not None and self.prev is None
-        self._codec.encode(decision, len(poison), self._msg)
-        self._forward(decision.step, self._msg, pack_records(poison) if poison else None)
+        used = self._codec.encode(decision, len(poison), self._msg)
+        self._forward(decision.step, self._msg[:used], pack_records(poison) if poison else None)
 
     def _forward(self, step: int, msg: np.ndarray, poison: np.ndarray | None) -> None:
         assert self.next is not None
@@ -149,6 +155,7 @@ class Chain:
                 ranks=(self.prev,),
             )
         decision, n_poison = self._codec.decode(self._msg)
+        used = HEADER + len(decision.ready) + len(decision.failed)
         words = None
         if n_poison:
             words = np.zeros(n_poison * RECORD_WORDS, dtype=np.int64)
@@ -156,5 +163,5 @@ class Chain:
                 "pp_chain", self.prev, words, tag=TAG_POISON, operation="pp_chain recv", step=step
             )
         if self.next is not None:
-            self._forward(step, self._msg, words)
+            self._forward(step, self._msg[:used], words)
         return decision, tuple(unpack_records(words)) if words is not None else ()

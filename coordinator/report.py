@@ -56,6 +56,12 @@ REDUCE_HEADER = 10
 MAX_GATHER_REASON = (1 << 15) - 1
 MAX_REDUCE_REASON = 63
 _MASK63 = (1 << 63) - 1
+# Plain ints: enum attribute lookups cost more than the arithmetic here.
+_PENDING, _READY, _FAILED = (
+    int(PendingState.PENDING),
+    int(PendingState.READY),
+    int(PendingState.FAILED),
+)
 
 
 class Window(NamedTuple):
@@ -90,15 +96,15 @@ def window_of(status: LocalStatus, size: int, max_reason: int) -> Window:
     seqs = np.asarray(status.seqs[:n], dtype=np.int64)
     states = np.asarray(status.states[:n], dtype=np.int64)
     reasons = np.asarray(status.reasons[:n], dtype=np.int64)
-    if n > 1 and not bool(np.all(seqs[1:] > seqs[:-1])):
+    if n > 1 and not (seqs[1:] > seqs[:-1]).all():
         raise ValueError("LocalStatus.seqs must be strictly ascending")
     if n and (seqs[0] < 0 or seqs[-1] >= 1 << 47):
         raise ValueError("sequence numbers must be in 0 .. 2**47 - 1")
-    if n and not bool(np.all((states >= PendingState.PENDING) & (states <= PendingState.FAILED))):
+    if n and (states.min() < _PENDING or states.max() > _FAILED):
         raise ValueError(f"unknown PendingState in {status.states[:n]}")
-    failed = states == PendingState.FAILED
+    failed = states == _FAILED
     bad = failed & ((reasons < 1) | (reasons > max_reason))
-    if bool(bad.any()):
+    if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(
             f"failed seq {int(seqs[i])} has reason code {int(reasons[i])}; "
@@ -151,19 +157,15 @@ class GatherCodec:
         n = len(win.seqs)
         out[:] = 0
         out[:6] = (MAGIC_GATHER, step, n, win.n_total, fingerprint(win.seqs), clock_ms)
-        out[self._ready : self._failed] = pack_bits(
-            win.states == PendingState.READY, self.bit_words
-        )
-        out[self._failed : self._reasons] = pack_bits(
-            win.states == PendingState.FAILED, self.bit_words
-        )
+        out[self._ready : self._failed] = pack_bits(win.states == _READY, self.bit_words)
+        out[self._failed : self._reasons] = pack_bits(win.states == _FAILED, self.bit_words)
         out[self._reasons :].view(np.int16)[:n] = win.reasons
 
     def combine(self, rows: np.ndarray, step: int) -> Verdict:
         """Combine the gathered ``rows`` (int64[members, size]) of one step."""
         w = self.window
         key = rows[:, 1:5]
-        consistent = bool(np.all(rows[:, 0] == MAGIC_GATHER) and np.all(key == key[0]))
+        consistent = bool((rows[:, 0] == MAGIC_GATHER).all() and (key == key[0]).all())
         consistent = consistent and int(key[0, 0]) == step
         ready_words = np.bitwise_and.reduce(rows[:, self._ready : self._failed], axis=0)
         failed_words = np.bitwise_or.reduce(rows[:, self._failed : self._reasons], axis=0)
@@ -199,10 +201,8 @@ class ReduceCodec:
         out[0] = MAGIC_REDUCE
         out[1:9] = (step, ~step, n, ~n, win.n_total, ~win.n_total, fp, ~fp)
         out[9] = clock_ms if index == 0 else -1
-        failed = win.states == PendingState.FAILED
-        out[self._ready : self._notfailed] = pack_bits(
-            win.states == PendingState.READY, self.bit_words
-        )
+        failed = win.states == _FAILED
+        out[self._ready : self._notfailed] = pack_bits(win.states == _READY, self.bit_words)
         out[self._notfailed : self._reasons] = ~pack_bits(failed, self.bit_words)
         reasons = out[self._reasons :]
         reasons[:] = -1
@@ -212,7 +212,7 @@ class ReduceCodec:
         """Read the BAND-reduced row (int64[size]) of one step."""
         w = self.window
         pairs = reduced[1:9].reshape(4, 2)
-        consistent = bool(reduced[0] == MAGIC_REDUCE and np.all((pairs[:, 0] | pairs[:, 1]) == -1))
+        consistent = bool(reduced[0] == MAGIC_REDUCE and ((pairs[:, 0] | pairs[:, 1]) == -1).all())
         consistent = consistent and int(reduced[1]) == step
         failed = unpack_bits(~reduced[self._notfailed : self._reasons], w)
         ready = unpack_bits(reduced[self._ready : self._notfailed], w) & ~failed

@@ -104,9 +104,12 @@ def test_fingerprint_is_order_sensitive_and_stable():
 )
 def test_decision_round_trip(decision):
     codec = DecisionCodec(8)
-    msg = np.zeros(codec.size, dtype=np.int64)
-    codec.encode(decision, 3, msg)
-    assert codec.decode(msg) == (decision, 3)
+    msg = np.full(codec.size, -7, dtype=np.int64)  # stale words past the message
+    used = codec.encode(decision, 3, msg)
+    assert used == 6 + len(decision.ready) + len(decision.failed)
+    stale = np.full(codec.size, 12345, dtype=np.int64)
+    stale[:used] = msg[:used]  # the receiver's buffer: a prefix is overwritten
+    assert codec.decode(stale) == (decision, 3)
 
 
 def test_poison_record_round_trip_and_checks():

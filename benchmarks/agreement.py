@@ -1,0 +1,434 @@
+"""Agreement, PP hop and pp_sync cost against SGLang-style baselines, over gloo.
+
+``gramcoord bench agreement`` (or ``run_bench('agreement', [], out)``) starts
+its own ranks: for each world size it launches that many copies of this file
+(``--child``), which build gloo worlds on 127.0.0.1 with a free port and
+measure, side by side in one run:
+
+- ``agreement``: one coordinator step of a replicated group (encode, one
+  collective, combine, decide, apply) against SGLang's way: pickled
+  ``all_gather_object`` of the ready/failed index sets, then set
+  intersection/union. With ``pp=2`` both also carry the decision to stage 1
+  (ours: one tensor send; SGLang: ``send_object_list``). Target >= 3x.
+- ``agreement_reduce``: the same step with the fixed-size ``all_reduce(BAND)``
+  report (reported only).
+- ``pp_hop``: round trip of one decision hop plus a 1-element ack, against a
+  1-element gloo ping plus the same ack. Ratio convention: ping / hop, so
+  "hop within 1.5x of a ping" is ratio >= 1/1.5 = 0.667.
+- ``pp_sync_chain``: a pipeline step with the decision sent down the chain,
+  against ``pp_sync: collective`` (every stage leader in one all_gather);
+  both end with the last stage's 1-element ack to stage 0. Reported only.
+
+Each pending request's local state is fixed (half ready, a quarter pending,
+a quarter failed), identical on every rank, so every step decides the same
+non-trivial outcome. Figures are medians on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from launch.bench import BenchRecord, median_ms  # noqa: E402
+
+CHILD_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- child side -----------------------------------------------------------------
+
+
+class _StaticMember:
+    """A member whose pending window never changes: steady-state steps."""
+
+    def __init__(self, status) -> None:
+        self.status = status
+
+    def local_status(self):
+        return self.status
+
+    def apply_decision(self, decision):
+        return decision
+
+    def new_failures(self):
+        return []
+
+    def apply_poison(self, records):
+        return None
+
+
+def _status(pending: int):
+    from coordinator.status import LocalStatus, PendingState
+
+    states = [
+        (PendingState.READY, PendingState.READY, PendingState.PENDING, PendingState.FAILED)[i % 4]
+        for i in range(pending)
+    ]
+    reasons = [21 if s == PendingState.FAILED else 0 for s in states]
+    return LocalStatus(
+        seqs=tuple(range(1000, 1000 + pending)), states=tuple(states), reasons=tuple(reasons)
+    )
+
+
+def _sglang_step(status, group, chain_group, chain_peer, is_sender, world):
+    """SGLang-style: pickled index sets gathered, then pickled objects down the chain."""
+    import torch.distributed as dist
+
+    from coordinator.status import PendingState
+
+    ready = {i for i, s in enumerate(status.states) if s == PendingState.READY}
+    failed = {i for i, s in enumerate(status.states) if s == PendingState.FAILED}
+    if group is not None:
+        out = [None] * world
+        dist.all_gather_object(out, (ready, failed), group=group)
+        ready = set.intersection(*(r for r, _ in out))
+        failed = set.union(*(f for _, f in out))
+        ready -= failed
+    if chain_group is not None:
+        objs = [(sorted(ready), sorted(failed))]
+        if is_sender:
+            dist.send_object_list(objs, dst=chain_peer, group=chain_group)
+        else:
+            dist.recv_object_list(objs, src=chain_peer, group=chain_group)
+    return ready, failed
+
+
+def _interleaved(fns: dict, repeat: int) -> dict[str, float]:
+    """Median ms of each function, measured in alternating rounds of ``median_ms``.
+
+    The machine is shared, so load drifts; alternating short rounds puts every
+    contender under the same drift. Every rank runs the same sequence.
+    """
+    rounds = max(3, repeat // 5)
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(median_ms(fn, repeat=5, warmup=1))
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def _steps(coord, member):
+    counter = iter(range(1, 10**9))
+    return lambda: coord.step(next(counter), member)
+
+
+def _layout_rows(rank, world, args, dp, pp):
+    """Our step (gather, and reduce when pp=1) vs the SGLang-style step, dp x pp replicated."""
+    import torch.distributed as dist
+
+    from coordinator.config import DistributedConfig
+    from coordinator.coordinator import Coordinator
+    from coordinator.layout import ParallelLayout
+    from coordinator.runtime import Runtime
+
+    layout = ParallelLayout(dp=dp, pp=pp, tp=1, requests="replicated")
+    timeout = datetime.timedelta(seconds=60)
+    rows = []
+    with Runtime.attach(layout, distributed=DistributedConfig(step_timeout_s=60)) as runtime:
+        # Baseline groups: the same members, their own gloo groups.
+        leaders = list(layout.dp_leaders())
+        base_group = dist.new_group(leaders, backend="gloo", timeout=timeout)
+        chains = [
+            dist.new_group(list(c), backend="gloo", timeout=timeout) for c in layout.pp_chains()
+        ]
+        c = layout.coords(rank)
+        my_chain = chains[c.dp] if pp > 1 else None
+        peer = layout.chain_next(rank) if c.pp == 0 else layout.chain_prev(rank)
+        group = base_group if rank in leaders and dp > 1 else None
+        for pending in args.pending:
+            status = _status(pending)
+            member = _StaticMember(status)
+            fns = {}
+            for op in ("all_gather", "all_reduce") if pp == 1 else ("all_gather",):
+                coord = Coordinator(
+                    layout, runtime, window=pending, agreement_op=op, clock=lambda: 1
+                )
+                fns[op] = _steps(coord, member)
+            fns["base"] = functools.partial(
+                _sglang_step, status, group, my_chain, peer, c.pp == 0, dp
+            )
+            times = _interleaved(fns, args.repeat)
+            runtime.drain()
+            name = f"agreement_dp{dp}_pp{pp}"
+            rows.append(
+                dict(name=name, ours=times["all_gather"], base=times["base"], pending=pending)
+            )
+            if "all_reduce" in times:
+                rows.append(
+                    dict(
+                        name=f"agreement_reduce_dp{dp}_pp{pp}",
+                        ours=times["all_reduce"],
+                        base=times["base"],
+                        gather=times["all_gather"],
+                        pending=pending,
+                    )
+                )
+        dist.barrier()
+        for g in chains:
+            dist.destroy_process_group(g)
+        dist.destroy_process_group(base_group)
+    return rows
+
+
+def _hop_fns(rank, chain, decision, pg, ack, ping):
+    import torch.distributed as dist
+
+    from coordinator.status import Decision
+
+    counter = iter(range(1, 10**9))
+    if rank == 0:
+
+        def hop():
+            step = next(counter)
+            chain.send(Decision(step=step, ready=decision.ready, failed=decision.failed))
+            dist.recv(ack, src=1, group=pg, tag=99)
+
+        def ping_fn():
+            dist.send(ping, dst=1, group=pg, tag=98)
+            dist.recv(ack, src=1, group=pg, tag=99)
+
+    else:
+
+        def hop():
+            chain.receive(next(counter))
+            dist.send(ack, dst=0, group=pg, tag=99)
+
+        def ping_fn():
+            dist.recv(ping, src=0, group=pg, tag=98)
+            dist.send(ack, dst=0, group=pg, tag=99)
+
+    return hop, ping_fn
+
+
+def _hop_rows(rank, args):
+    """pp=2: decision hop + ack vs 1-element ping + ack, over the same gloo group."""
+    import torch
+
+    from coordinator.config import DistributedConfig
+    from coordinator.layout import ParallelLayout
+    from coordinator.pipeline import Chain
+    from coordinator.runtime import Runtime
+    from coordinator.status import Decision
+
+    layout = ParallelLayout(dp=1, pp=2, tp=1)
+    rows = []
+    with Runtime.attach(layout, distributed=DistributedConfig(step_timeout_s=60)) as runtime:
+        pg = runtime._groups["pp_chain"][0]
+        ack, ping = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        for pending in args.pending:
+            chain = Chain(
+                runtime,
+                rank=rank,
+                prev=layout.chain_prev(rank),
+                next=layout.chain_next(rank),
+                window=pending,
+            )
+            half = pending // 2
+            decision = Decision(
+                step=0,
+                ready=tuple(range(half)),
+                failed=tuple((i, 21) for i in range(half, pending)),
+            )
+            hop, ping_fn = _hop_fns(rank, chain, decision, pg, ack, ping)
+            times = _interleaved({"hop": hop, "ping": ping_fn}, args.repeat)
+            runtime.drain()
+            rows.append(dict(name="pp_hop", ours=times["hop"], base=times["ping"], pending=pending))
+    return rows
+
+
+def _acked(rank, last, step_fn, ack, pg):
+    import torch.distributed as dist
+
+    def one():
+        step_fn()
+        if rank == last:
+            dist.send(ack, dst=0, group=pg, tag=97)
+        elif rank == 0:
+            dist.recv(ack, src=last, group=pg, tag=97)
+
+    return one
+
+
+def _pp_sync_rows(rank, world, args):
+    """dp=1 pp=world: chain vs collective pp_sync, each step closed by the last stage's ack."""
+    import torch
+
+    from coordinator.config import DistributedConfig
+    from coordinator.coordinator import Coordinator
+    from coordinator.layout import ParallelLayout
+    from coordinator.runtime import Runtime
+
+    runtimes = {}
+    for mode in ("chain", "collective"):
+        layout = ParallelLayout(dp=1, pp=world, tp=1, pp_sync=mode)
+        cfg = DistributedConfig(step_timeout_s=60)
+        runtimes[mode] = (layout, Runtime.attach(layout, distributed=cfg))
+    ack = torch.zeros(1, dtype=torch.int64)
+    rows = []
+    for pending in args.pending:
+        member = _StaticMember(_status(pending))
+        fns = {}
+        for mode, (layout, runtime) in runtimes.items():
+            coord = Coordinator(layout, runtime, window=pending, clock=lambda: 1)
+            pg = runtime._groups["world"][0]
+            fns[mode] = _acked(rank, world - 1, _steps(coord, member), ack, pg)
+        times = _interleaved(fns, args.repeat)
+        for _, runtime in runtimes.values():
+            runtime.drain()
+        rows.append(
+            dict(
+                name=f"pp_sync_chain_pp{world}",
+                ours=times["chain"],
+                base=times["collective"],
+                pending=pending,
+            )
+        )
+    for _, runtime in runtimes.values():
+        runtime.close()
+    return rows
+
+
+def _child(args) -> None:
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rows = []
+    if world == 2:
+        rows += _layout_rows(rank, world, args, dp=2, pp=1)
+        rows += _hop_rows(rank, args)
+        rows += _pp_sync_rows(rank, world, args)
+    else:
+        rows += _layout_rows(rank, world, args, dp=world, pp=1)
+        rows += _layout_rows(rank, world, args, dp=world // 2, pp=2)
+        rows += _pp_sync_rows(rank, world, args)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+
+
+# -- parent side ----------------------------------------------------------------
+
+
+def _launch(world: int, args) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="gramcoord-bench-") as tmp:
+        out = Path(tmp) / "rows.json"
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "OMP_NUM_THREADS": "1",
+            }
+            cmd = [sys.executable, __file__, "--child", "--out", str(out)]
+            cmd += ["--pending", ",".join(map(str, args.pending)), "--repeat", str(args.repeat)]
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        if any(codes) or not out.is_file():
+            raise RuntimeError(f"benchmark ranks of world {world} failed: exit codes {codes}")
+        return json.loads(out.read_text())
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="gramcoord bench agreement")
+    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    ap.add_argument("--pending", default="64,512", help="comma-separated pending counts")
+    ap.add_argument("--repeat", type=int, default=41)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.worlds = [int(x) for x in str(args.worlds).split(",")]
+    args.pending = [int(x) for x in str(args.pending).split(",")]
+    return args
+
+
+def _record(row: dict, world: int) -> BenchRecord:
+    name, pending = row["name"], row["pending"]
+    where = f"{world} ranks, {pending} pending (window = pending)"
+    if name.startswith("agreement_reduce"):
+        return BenchRecord.compare(
+            name,
+            "sglang_all_gather_object",
+            row["ours"],
+            row["base"],
+            note=f"{where}; fixed-size all_reduce(BAND) report; all_gather step "
+            f"{row['gather']:.3f} ms",
+        )
+    if name.startswith("agreement"):
+        return BenchRecord.compare(
+            name,
+            "sglang_all_gather_object" + ("+send_object_list" if "pp2" in name else ""),
+            row["ours"],
+            row["base"],
+            target=3.0,
+            note=where,
+        )
+    if name == "pp_hop":
+        return BenchRecord.compare(
+            name,
+            "gloo_ping_1elem",
+            row["ours"],
+            row["base"],
+            target=round(1 / 1.5, 3),
+            note=f"{where}; round trips with a 1-element ack; ratio = ping/hop, "
+            f">= 0.667 means the hop is within 1.5x of a ping",
+        )
+    return BenchRecord.compare(
+        name,
+        "pp_sync_collective",
+        row["ours"],
+        row["base"],
+        note=f"{where}; step until the last stage acks stage 0; ratio > 1: chain is faster",
+    )
+
+
+def run(args: list[str]) -> list[BenchRecord]:
+    """Run every measurement for each world size; see the module docstring."""
+    opts = _parse(args)
+    records = []
+    for world in opts.worlds:
+        records += [_record(row, world) for row in _launch(world, opts)]
+    return records
+
+
+if __name__ == "__main__":
+    opts = _parse(sys.argv[1:])
+    if opts.child:
+        _child(opts)
+    else:
+        from launch.bench import format_table
+
+        print(format_table(run(sys.argv[1:])))
