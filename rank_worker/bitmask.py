@@ -140,7 +140,7 @@ class BitmaskBuilder:
         self._buffer = np.full(
             (max_num_seqs * self.rows_per_request, self.width), -1, dtype=np.int32
         )
-        self._batch: xgr.BatchGrammarMatcher | None = None
+        self._engines: dict[int, xgr.BatchGrammarMatcher] = {}
 
     def build(
         self,
@@ -187,29 +187,41 @@ class BitmaskBuilder:
     def _fill_next(
         self, states: Sequence[GrammarState], out: np.ndarray, failures: dict[int, GrammarError]
     ) -> None:
-        parallel = len(states) >= self.parallel_threshold and self.num_threads > 1
+        vocab = self.vocab_size
         matchers: list[xgr.GrammarMatcher] = []
         rows: list[int] = []
         for i, state in enumerate(states):
-            self._check_vocab(state)
-            if state._phase != Phase.CONSTRAINED:
-                state.fill_row(out, i)
-            elif state._matcher.is_terminated():
-                failures[i] = _terminated_error()
-                out[i] = -1
-            elif parallel:
+            if state.vocab_size != vocab:
+                self._check_vocab(state)
+            if state._phase is Phase.CONSTRAINED:
                 matchers.append(state._matcher)
                 rows.append(i)
             else:
-                state._matcher.fill_next_token_bitmask(out, i)
+                state.fill_row(out, i)
         if matchers:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(self.num_threads)
-            self._batch.batch_fill_next_token_bitmask(matchers, out, rows)
-        # One vectorised scan finds dead rows; gated rows are never dead.
-        for i in np.flatnonzero(~live_rows(out, self.vocab_size)).tolist():
+            engine = self._engine(parallel=len(states) >= self.parallel_threshold)
+            try:
+                engine.batch_fill_next_token_bitmask(matchers, out, rows)
+            except RuntimeError:
+                # xgrammar refuses the whole batch if one matcher has accepted
+                # a stop token; find those and fill the others one by one.
+                for matcher, i in zip(matchers, rows):
+                    if matcher.is_terminated():
+                        failures[i] = _terminated_error()
+                        out[i] = -1
+                    else:
+                        matcher.fill_next_token_bitmask(out, i)
+        # One vectorised scan finds dead rows; gated and failed rows are live.
+        for i in np.flatnonzero(~live_rows(out, vocab)).tolist():
             failures[i] = _dead_error(i)
             out[i] = -1
+
+    def _engine(self, *, parallel: bool) -> xgr.BatchGrammarMatcher:
+        threads = self.num_threads if parallel else 1
+        engine = self._engines.get(threads)
+        if engine is None:
+            engine = self._engines[threads] = xgr.BatchGrammarMatcher(threads)
+        return engine
 
     # -- K > 0 ----------------------------------------------------------
 

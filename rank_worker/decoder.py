@@ -49,7 +49,7 @@ class DecodeResult(NamedTuple):
     finish_reason: Literal["stop", "length", "error"]
     # Why it failed, when finish_reason == "error".
     error: GrammarError | None
-    # Model steps jump-forward saved (its conservative count).
+    # Model steps jump-forward saved (its per-jump estimate).
     num_steps_saved: int
 
 

