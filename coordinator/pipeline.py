@@ -19,8 +19,10 @@ posted buffer), so an empty decision costs as much as a 6-word ping.
 The poison records shared this step (``coordinator.poison_share``) follow
 in a second message only when there are any, so later stages poison the
 same keys as stage 0. Sends are asynchronous; the runtime drains the
-earlier send before each new one. A middle stage forwards the bytes it
-received before it applies them.
+earlier send before each new one. A gloo send completes once the receiver
+has posted its receive, so at most one decision is in flight per hop and
+stage 0 runs at most one step ahead of stage 1. A middle stage forwards the
+bytes it received before it applies them.
 """
 
 from __future__ import annotations

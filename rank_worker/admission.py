@@ -12,6 +12,12 @@ calls and runs one step:
   ``grammar_stage_timeout``. A stage never hangs on a compile.
 
 With no coordinator (one rank) it falls back to ``manager.step()``.
+
+NOTE: a gloo send completes only once its receiver has posted the receive,
+and stage 0 drains its previous send before the next one. A later stage
+that waits for compiles therefore holds stage 0 back by as long, so the
+wait is capped at ``STAGE_WAIT_SHARE`` of the step timeout: stage 0 must
+never mistake a waiting stage for a lost one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from rank_worker.manager import GrammarManager, Outcome
 
 logger = logging.getLogger(__name__)
 
+STAGE_WAIT_SHARE = 0.5
+
 
 class Admission:
     """One stage leader's admission step.
@@ -41,7 +49,8 @@ class Admission:
         The rank's coordinator, or ``None`` on a single rank.
     stage_wait_s:
         How long a later stage waits, per step, for local compiles of
-        requests stage 0 admitted; defaults to ``compile_timeout_s``.
+        requests stage 0 admitted; defaults to ``compile_timeout_s``
+        (``build`` caps it at half the step timeout).
     clock:
         Monotonic seconds (tests inject one).
     """
@@ -72,6 +81,17 @@ class Admission:
     ) -> Admission:
         """Admission for ``comm.rank`` (a stage leader), sized from the manager's config."""
         coordinator = None
+        wait = manager.config.compile_timeout_s
+        cap = distributed.step_timeout_s * STAGE_WAIT_SHARE
+        if layout.pp > 1 and wait > cap:
+            logger.warning(
+                "[rank %d] later stages wait at most %.1fs for compiles (half the step timeout), "
+                "not compile_timeout_s=%.1fs",
+                comm.rank,
+                cap,
+                wait,
+            )
+            wait = cap
         if layout.world_size > 1:
             coordinator = Coordinator.from_config(
                 layout,
@@ -80,7 +100,7 @@ class Admission:
                 max_pending=manager.config.max_pending,
                 compile_mode=manager.config.compile_mode,
             )
-        return cls(manager, coordinator)
+        return cls(manager, coordinator, stage_wait_s=wait)
 
     def step(self, step: int) -> list[Outcome]:
         """Run step ``step``; returns the outcomes of requests admitted or failed.

@@ -171,7 +171,7 @@ def lost_peer_body(rank, world, layout_kw, victim, how, step_timeout_s, pid_dir)
             if rank == victim and step == 5:
                 if how == "sigkill":
                     os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(step_timeout_s * 2)
+                time.sleep(step_timeout_s + 1.5)  # outlive the survivors' deadline
                 return dict(hung=True)
             admission.coordinator.step(step, admission)
             last_ok = time.monotonic()

@@ -127,3 +127,25 @@ def test_single_rank_falls_back_to_manager_step(tiny_tokenizer):
     manager.add("a", SPEC_A, seq=0)
     assert statuses(admission.step(1)) == [("a", "admitted", None)]
     manager.close()
+
+
+@pytest.mark.parametrize(
+    ("pp", "compile_timeout_s", "step_timeout_s", "wait"),
+    [
+        pytest.param(2, 30.0, 30.0, 15.0, id="capped-at-half-step-timeout"),
+        pytest.param(2, 5.0, 30.0, 5.0, id="compile-timeout-fits"),
+        pytest.param(1, 30.0, 30.0, 30.0, id="no-later-stages"),
+    ],
+)
+def test_stage_wait_never_outlasts_the_step_timeout(
+    tiny_tokenizer, pp, compile_timeout_s, step_timeout_s, wait
+):
+    layout = ParallelLayout(dp=2, pp=pp, tp=1)
+    config = GrammarConfig(compile_mode="sync", compile_timeout_s=compile_timeout_s)
+    manager = GrammarManager(config, tiny_tokenizer)
+    comm = ThreadComm(ThreadHub(), layout, 0)
+    admission = Admission.build(
+        manager, layout, comm, DistributedConfig(step_timeout_s=step_timeout_s)
+    )
+    assert admission.stage_wait_s == wait
+    manager.close()
