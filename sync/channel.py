@@ -306,26 +306,32 @@ class BitmaskChannel:
             raise ValueError(
                 "order must be request-id strings aligned with non-negative draft counts"
             )
-        for peer in self._peers.values():
-            if peer.gone is not None:
-                raise PeerGone(f"reader {peer.name!r} left: {peer.gone}", peers=[peer.name])
+        self._pump(0)  # a Bye or a Release may be waiting
+        self._raise_if_gone(self._peers)
         view = self.acquire(array.shape[0], timeout)
         if view.ctypes.data != array.ctypes.data:
             np.copyto(view, array)
         slot = self._ring.publish(step)
         rows = array.shape[0]
         ready = frame = b""
-        for peer in self._peers.values():
-            if peer.mode == "shm":
-                ready = ready or self._control.encode(BitmaskReady(step, slot, rows, order, drafts))
-                self._control.send(peer.name, ready)
-            else:
-                frame = frame or self._control.encode(
-                    BitmaskFrame(step, rows, self._width, order, drafts)
-                )
-                # Zero-copy from the slot: safe because the slot is not
-                # rewritten before this reader's Release arrives.
-                self._control.send(peer.name, frame, data=view)
+        try:
+            for peer in self._peers.values():
+                if peer.mode == "shm":
+                    ready = ready or self._control.encode(
+                        BitmaskReady(step, slot, rows, order, drafts)
+                    )
+                    self._control.send(peer.name, ready)
+                else:
+                    frame = frame or self._control.encode(
+                        BitmaskFrame(step, rows, self._width, order, drafts)
+                    )
+                    # Zero-copy from the slot: safe because the slot is not
+                    # rewritten before this reader's Release arrives.
+                    self._control.send(peer.name, frame, data=view)
+        except PeerGone as exc:
+            self._pump(0)  # its Bye, if it said one, tells why
+            self._raise_if_gone(exc.peers)
+            raise
         self._pump(0)
         return slot
 
@@ -373,6 +379,12 @@ class BitmaskChannel:
 
     # Internals ---------------------------------------------------------
 
+    def _raise_if_gone(self, names: object) -> None:
+        for name in names:
+            peer = self._peers.get(name)
+            if peer is not None and peer.gone is not None:
+                raise PeerGone(f"reader {name!r} left: {peer.gone}", peers=[name])
+
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("the channel is closed")
@@ -383,13 +395,10 @@ class BitmaskChannel:
         if now < self._next_liveness:
             return
         self._next_liveness = now + _LIVENESS_EVERY_S
+        self._raise_if_gone(lagging)
         for name in lagging:
             peer = self._peers.get(name)
-            if peer is None:
-                continue
-            if peer.gone is not None:
-                raise PeerGone(f"reader {name!r} left: {peer.gone}", peers=[name])
-            if peer.local and not pid_alive(peer.pid):
+            if peer is not None and peer.local and not pid_alive(peer.pid):
                 raise PeerGone(f"reader {name!r} (pid {peer.pid}) died", peers=[name])
 
     def _pump(self, timeout: float) -> None:

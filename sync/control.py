@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Literal
 
@@ -231,13 +232,15 @@ class ControlServer:
         Malformed frames are counted in :attr:`dropped` and skipped; they
         never raise.
         """
-        if not self._sock.poll(max(0, int(timeout * 1000))):
-            return None
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                    return None
+                continue
             got = self._parse(frames)
             if got is not None:
                 return got
@@ -322,6 +325,7 @@ class ControlClient:
             If the connection to the writer closed and nothing is left to
             read.
         """
+        deadline = time.monotonic() + timeout
         while True:
             got = self._take()
             if got is not None:
@@ -330,7 +334,8 @@ class ControlClient:
                 raise WriterLost(
                     f"connection to the writer at {self.endpoint} closed", peers=["writer"]
                 )
-            events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+            remaining = deadline - time.monotonic()
+            events = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
             if not events:
                 return None
             if self._monitor in events:
@@ -362,11 +367,11 @@ class ControlClient:
             return None
         return message, frames[1] if wants == 2 else None
 
-    def close(self) -> None:
-        """Close the socket, flushing queued messages for up to 0.5 s."""
+    def close(self, *, flush: bool = True) -> None:
+        """Close the socket, flushing queued messages for up to 0.5 s if ``flush``."""
         if not self._sock.closed:
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()
             self._monitor.close(linger=0)
-            self._sock.close()
+            self._sock.close(linger=_LINGER_MS if flush else 0)
             self._ctx.term()

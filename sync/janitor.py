@@ -66,17 +66,25 @@ def remove(kind: str, name: str) -> bool:
         Whether something was removed. Names without :data:`PREFIX` are
         refused (False).
     """
-    if kind == "shm" and name.startswith(PREFIX) and "/" not in name:
+    if not _ours(kind, name):
+        return False
+    if kind == "shm":
         try:
             _posixshmem.shm_unlink("/" + name)
         except FileNotFoundError:
             return False
         return True
-    if kind == "dir" and os.path.isabs(name) and os.path.basename(name).startswith(PREFIX):
-        if not os.path.isdir(name):
-            return False
-        shutil.rmtree(name, ignore_errors=True)
-        return True
+    if not os.path.isdir(name):
+        return False
+    shutil.rmtree(name, ignore_errors=True)
+    return True
+
+
+def _ours(kind: str, name: str) -> bool:
+    if kind == "shm":
+        return name.startswith(PREFIX) and "/" not in name
+    if kind == "dir":
+        return os.path.isabs(name) and os.path.basename(name).startswith(PREFIX)
     return False
 
 
@@ -110,10 +118,10 @@ class Janitor:
         Raises
         ------
         ValueError
-            If the name does not carry the prefix (it could never be removed).
+            If the name does not carry the prefix, or a directory path is not
+            absolute (it could never be removed).
         """
-        base = name if kind == "shm" else os.path.basename(name)
-        if kind not in ("shm", "dir") or not base.startswith(PREFIX):
+        if not _ours(kind, name):
             raise ValueError(
                 f"janitor only handles {PREFIX}* shm names and dirs, got {kind} {name!r}"
             )
@@ -163,12 +171,14 @@ class Janitor:
     def _tell(self, line: str) -> None:
         if self._reaper is None:
             self._reaper = self._start_reaper()
+            # A new reaper learns everything still owned, not just this line.
+            line = "".join(f"+{kind} {name}\n" for kind, name in sorted(self._owned))
         if self._reaper is None or self._reaper.stdin is None:
             return
         try:
             self._reaper.stdin.write(line.encode())
             self._reaper.stdin.flush()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: the pipe was closed
             logger.warning(
                 "reaper process is gone (%s); a SIGKILL would leak %s", exc, line.strip()
             )

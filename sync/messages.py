@@ -61,7 +61,9 @@ RequestIds = Annotated[tuple[Annotated[str, Meta(max_length=1024)], ...], Meta(m
 DraftCounts = Annotated[tuple[Count, ...], Meta(max_length=1 << 20)]
 
 
-class _Message(msgspec.Struct, tag=True, array_like=True, frozen=True):
+class _Message(msgspec.Struct, tag=True, array_like=True, frozen=True, forbid_unknown_fields=True):
+    # forbid_unknown_fields: extra trailing elements are an error, not ignored;
+    # protocol changes go through PROTOCOL_VERSION instead.
     pass
 
 

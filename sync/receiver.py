@@ -89,6 +89,7 @@ class BitmaskReceiver:
         # step -> zmq frame (tcp) or None (shm); frames keep tcp views alive.
         self._held: dict[int, zmq.Frame | None] = {}
         self._closed = False
+        self._writer_gone = False
 
     @classmethod
     def connect(
@@ -222,14 +223,18 @@ class BitmaskReceiver:
             raise ValueError(f"step {step} was received and not released yet")
         timeout = self._handle.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            got = self._client.recv(min(remaining, _SLICE_S))
-            if got is None:
-                self._check_writer()
-                continue
-            result = self._take(step, *got)
-            if result is not None:
-                return result
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                got = self._client.recv(min(remaining, _SLICE_S))
+                if got is None:
+                    self._check_writer()
+                    continue
+                result = self._take(step, *got)
+                if result is not None:
+                    return result
+        except WriterLost:
+            self._writer_gone = True
+            raise
         raise TransportTimeout(
             f"reader {self.name!r}: step {step} did not arrive within {timeout:g} s "
             f"(last received: {self._last})",
@@ -260,13 +265,15 @@ class BitmaskReceiver:
         self._closed = True
         self._held.clear()
         try:
-            self._client.send(
-                Bye(PROTOCOL_VERSION, self._handle.vocab_size, self.name, "reader closed")
-            )
+            if not self._writer_gone:
+                self._client.send(
+                    Bye(PROTOCOL_VERSION, self._handle.vocab_size, self.name, "reader closed")
+                )
         except zmq.ZMQError:
             pass  # the writer is gone; nothing to tell
         finally:
-            self._client.close()
+            # Nobody to flush to once the writer is gone: do not linger.
+            self._client.close(flush=not self._writer_gone)
             if self._ring is not None:
                 self._ring.close()
 

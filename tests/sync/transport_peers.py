@@ -160,6 +160,8 @@ def ring_owner_main(run_id: str, out, ending: str) -> None:
     if ending == "return":
         return  # never closed: atexit must remove it
     if ending == "os-exit":
+        out.close()
+        out.join_thread()  # flush the report: os._exit skips the queue's feeder
         os._exit(0)
     for _ in range(1200):
         time.sleep(0.1)  # the parent's signal arrives in here
