@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xgrammar as xgr
 
 from rank_worker.config import GrammarConfig
 from rank_worker.decoder import GreedyDecoder
@@ -12,6 +13,7 @@ from rank_worker.gate import Gate
 from rank_worker.grammar_state import GrammarState
 from rank_worker.jump_forward import JumpForward, retokenize_plan
 from rank_worker.replay_model import ReplayModel
+from rank_worker.tokenizer import Tokenizer
 
 PERSON = {
     "type": "object",
@@ -133,3 +135,56 @@ def test_dev_schemas_same_text_fewer_steps(qwen_tokenizer, dev_pool):
         steps[False] += a.num_steps
         steps[True] += b.num_steps
     assert steps[True] < steps[False]
+
+
+def test_hold_back_leaves_an_extensible_last_token(qwen_tokenizer, compile_json):
+    compiled = compile_json(qwen_tokenizer, PERSON, any_whitespace=False)
+    state = GrammarState(compiled)
+    output: list[int] = []
+    jf = JumpForward(qwen_tokenizer, hold_back=True)
+    result = jf.jump(state, output)
+    assert result is not None
+    # ' "' could merge with the value's first characters: left to the model.
+    assert qwen_tokenizer.decode(output) == '{"name":'
+    assert_same_state(state, compiled, output)
+    assert jf.plan(state, output) is None
+
+
+def greedy_tokenizer(pieces: list[str]) -> Tokenizer:
+    """Bytes plus ``pieces``, encoded greedily longest-first; one stop."""
+    token_bytes = [bytes([i]) for i in range(256)] + [p.encode() for p in pieces] + [b"</s>"]
+    index = {b: i for i, b in enumerate(token_bytes[:-1])}
+    longest = max(len(b) for b in token_bytes)
+
+    def encode(text: str) -> list[int]:
+        data, out, i = text.encode(), [], 0
+        while i < len(data):
+            n = next(
+                n for n in range(min(longest, len(data) - i), 0, -1) if data[i : i + n] in index
+            )
+            out.append(index[data[i : i + n]])
+            i += n
+        return out
+
+    stop = len(token_bytes) - 1
+    return Tokenizer(
+        name="greedy",
+        token_bytes=token_bytes,
+        special_ids={"</s>": stop},
+        stop_ids=(stop,),
+        encoder=encode,
+    )
+
+
+def test_hold_back_never_gives_back_emitted_text():
+    tok = greedy_tokenizer(["alph", "alphabet", "alphabets"])
+    compiled = xgr.GrammarCompiler(tok.info).compile_grammar('root ::= "alphabet" [0-9]')
+    state = GrammarState(compiled)
+    output = tok.encode("alph")
+    state.accept_tokens(output)
+    # 'alphabet' spans the emitted 'alph' and is extended by 'alphabets':
+    # holding it back would take 'alph' away again.
+    result = JumpForward(tok, hold_back=True).jump(state, output)
+    assert result is not None and result.num_rollback == 1
+    assert output == tok.encode("alphabet")
+    assert_same_state(state, compiled, output)
