@@ -187,8 +187,9 @@ class CudaMaskStaging:
     """Pinned host and device buffers for ``apply_bitmask_cuda``, reused.
 
     Two pinned slots alternate, each guarded by a CUDA event: a slot is
-    rewritten only after the copy that last read it has finished, which in
-    steady state has long happened, so the wait is free.
+    rewritten only after the copy that last read it has finished. In steady
+    state that copy finished a step ago, so the event query succeeds and the
+    host never waits.
     """
 
     def __init__(self, width: int, max_rows: int, device: torch.device | str = "cuda") -> None:
@@ -211,7 +212,9 @@ class CudaMaskStaging:
     def next_slot(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
         slot = self._slot
         self._slot ^= 1
-        if self._used[slot]:
+        # query() never blocks; the wait only happens if the host is a whole
+        # step ahead of the copy engine.
+        if self._used[slot] and not self._events[slot].query():
             self._events[slot].synchronize()
         self._used[slot] = True
         return self._host_mask[slot], self._host_index[slot], self._events[slot]

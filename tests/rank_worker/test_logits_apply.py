@@ -131,3 +131,20 @@ def test_cuda_apply_matches_cpu(dtype):
         cpu.apply(logits, bitmask, plan)
         apply_bitmask_cuda(on_gpu, bitmask, plan, staging)
         torch.testing.assert_close(on_gpu.cpu(), logits, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_apply_never_syncs_the_host():
+    staging = CudaMaskStaging(W, max_rows=8)
+    plan = plan_rows(list("abcd"), ["d", "a"], {"a": 1}, 2)
+    bitmask = random_bitmask(4, seed=3)
+    logits = torch.randn(plan.num_logit_rows, V, device="cuda")
+    apply_bitmask_cuda(logits, bitmask, plan, staging)  # compiles the kernel
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):  # both pinned slots
+            apply_bitmask_cuda(logits, bitmask, plan, staging)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
