@@ -5,8 +5,10 @@ saturated, "code", "message", "warnings", "compile_ms", "cache"}``, in input
 order. A bad record becomes an ``invalid`` line; nothing stops the run.
 
 Requests rejected with ``grammar_pool_saturated`` were never compiled, so
-their verdict says nothing about the spec: check re-submits them (up to
-``retries`` times) once a compile worker is free again.
+their verdict says nothing about the spec: check re-submits them once no
+compile is stuck any more (up to ``retries`` times). Every round ends with
+at least one more final verdict (a compile either finishes or times out),
+so the loop terminates.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def run_check(
     out: IO[bytes],
     *,
     console: Console | None = None,
-    retries: int = 5,
+    retries: int = 100,
     poll_s: float = 0.005,
 ) -> CheckSummary:
     """Compile every record of ``workload`` and write one line per record."""
@@ -168,7 +170,7 @@ def run_check(
                 for o in manager.step():
                     settle(live.pop(o.request_id), o)
                     manager.finish(o.request_id)
-                if retry and manager.service.num_stuck() < manager.service.pool_size:
+                if retry and manager.service.num_stuck() == 0:
                     pending, retry[:] = list(retry), []
                     for rec in pending:
                         submit(rec)
