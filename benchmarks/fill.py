@@ -66,6 +66,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
         help="skip schemas whose labelled compile is slower",
     )
     p.add_argument("--threads", type=int, default=0, help="fill threads (0: builder default)")
+    p.add_argument(
+        "--parts", nargs="+", choices=["fill", "jump"], default=["fill", "jump"], help="what to run"
+    )
     return p.parse_args(argv)
 
 
@@ -233,7 +236,10 @@ def run(args: list[str]) -> list[BenchRecord]:
         f"in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
-    records = _fill_records(a, tokenizer, usable[True])
-    records.append(_jump_record(tokenizer, usable[False], any_whitespace=False))
-    records.append(_jump_record(tokenizer, usable[True], any_whitespace=True))
+    records = []
+    if "fill" in a.parts:
+        records += _fill_records(a, tokenizer, usable[True])
+    if "jump" in a.parts:
+        records.append(_jump_record(tokenizer, usable[False], any_whitespace=False))
+        records.append(_jump_record(tokenizer, usable[True], any_whitespace=True))
     return records

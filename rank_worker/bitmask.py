@@ -35,7 +35,7 @@ The buffer is allocated once, at ``max_num_seqs * rows_per_request`` rows;
 
 from __future__ import annotations
 
-import logging
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -45,8 +45,6 @@ import xgrammar as xgr
 from rank_worker.errors import ErrorCode, GrammarError
 from rank_worker.gate import Phase
 from rank_worker.grammar_state import GrammarState, live_rows, strip_padding
-
-logger = logging.getLogger(__name__)
 
 # Parallel fill (K == 0 only). Measured by ``benchmarks/fill.py`` on the
 # 2-core dev machine, mixed dev schemas at random progress, real Qwen2.5
@@ -70,8 +68,6 @@ def default_fill_threads() -> int:
     DESIGN's ``min(cpu // 2, 8)`` gives one thread on a 2-core machine,
     which cannot run in parallel at all.
     """
-    import os
-
     return max(2, min((os.cpu_count() or 2) // 2, 8))
 
 

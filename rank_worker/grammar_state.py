@@ -92,7 +92,11 @@ class GrammarState:
     def from_matcher(
         cls, matcher: xgr.GrammarMatcher, *, vocab_size: int, gate: Gate | None = None
     ) -> GrammarState:
-        """Wrap an existing matcher (its current state is the starting point)."""
+        """Wrap an existing matcher, for example ``GrammarManager.matcher(id)``.
+
+        Its current state is the starting point for ``rollback``; ``reset``
+        returns to the grammar's initial state.
+        """
         self = cls.__new__(cls)
         self._setup(matcher, vocab_size, gate)
         return self

@@ -132,6 +132,17 @@ def test_rollback_and_reset(any_tokenizer, compile_json):
     np.testing.assert_array_equal(mask(state), fresh_after(compiled, []))
 
 
+def test_from_matcher_wraps_an_existing_matcher(any_tokenizer, compile_json):
+    compiled = compile_json(any_tokenizer, OBJECT)
+    state = GrammarState.from_matcher(
+        xgr.GrammarMatcher(compiled), vocab_size=any_tokenizer.vocab_size
+    )
+    tokens = any_tokenizer.encode('{"a"')
+    state.accept_tokens(tokens)
+    np.testing.assert_array_equal(mask(state), fresh_after(compiled, tokens))
+    assert state.vocab_size == compiled.tokenizer_info.vocab_size
+
+
 def test_eos_is_masked_until_the_grammar_can_end(any_tokenizer, compile_json):
     state = GrammarState(compile_json(any_tokenizer, STRING_FIELD))
     text = '{"a": "b c"}'
