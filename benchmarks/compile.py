@@ -11,6 +11,12 @@ Rows (real Qwen2.5 vocabulary, one process):
   concurrent requests for one new key are all ready, through the manager
   (one compile, N-1 joins) against N independent compiles on the same pool.
 
+- ``thread_compile`` vs ``subprocess_compile``: a compile in a worker thread
+  against the cost a killable subprocess compile would add on top, shipping
+  the ``CompiledGrammar`` back (``serialize_json`` + ``deserialize_json``);
+  median over a sample of dev schemas. This is why stuck compiles are
+  handled with spare threads rather than killable processes.
+
 Usage: ``gramcoord bench compile [--out DIR] [-- --repeat R --n N]``.
 """
 
@@ -18,8 +24,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import xgrammar as xgr
 
 from launch.bench import BenchRecord, median_ms
 from rank_worker.compile_service import XGrammarBackend
@@ -65,10 +76,38 @@ def _admit(manager: GrammarManager, spec: dict) -> None:
         time.sleep(0.0002)
 
 
+DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "schemas-dev.jsonl"
+
+
+def _serialization_overhead(tok, limit: int) -> tuple[float, float, int]:
+    """Median compile ms and median compile+ship ms over dev schemas."""
+    if not DEV.is_file():
+        return float("nan"), float("nan"), 0
+    compiler = xgr.GrammarCompiler(tok.info, max_threads=1, cache_enabled=False)
+    plain, shipped = [], []
+    for line in DEV.read_text().splitlines()[::15][:limit]:
+        schema = json.loads(line)["schema"]
+        try:
+            t0 = time.perf_counter()
+            compiled = compiler.compile_json_schema(json.dumps(schema))
+            t1 = time.perf_counter()
+        except Exception:
+            continue
+        if (t1 - t0) > 1.0:  # keep the sample quick
+            continue
+        blob = compiled.serialize_json()
+        xgr.CompiledGrammar.deserialize_json(blob, tok.info)
+        t2 = time.perf_counter()
+        plain.append((t1 - t0) * 1e3)
+        shipped.append((t2 - t0) * 1e3)
+    return statistics.median(plain), statistics.median(shipped), len(plain)
+
+
 def run(args: list[str]) -> list[BenchRecord]:
     p = argparse.ArgumentParser(prog="bench compile")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--n", type=int, default=8, help="concurrent identical requests")
+    p.add_argument("--schemas", type=int, default=30, help="dev schemas for the ship row")
     opts = p.parse_args(args)
     tok = load_tokenizer()
     cfg = GrammarConfig(num_compile_workers=2)
@@ -112,6 +151,7 @@ def run(args: list[str]) -> list[BenchRecord]:
         with_dedup = median_ms(dedup, repeat=max(3, opts.repeat // 3), warmup=1)
         without = median_ms(no_dedup, repeat=max(3, opts.repeat // 3), warmup=1)
         pool.shutdown()
+        thread_ms, ship_ms, n_ship = _serialization_overhead(tok, opts.schemas)
     finally:
         manager.close()
     return [
@@ -137,5 +177,12 @@ def run(args: list[str]) -> list[BenchRecord]:
             with_dedup,
             without,
             note=f"{opts.n} concurrent requests, one new key, pool={cfg.pool_size}",
+        ),
+        BenchRecord.compare(
+            "thread_compile",
+            "subprocess_compile",
+            thread_ms,
+            ship_ms,
+            note=f"median of {n_ship} dev schemas; baseline adds serialize+deserialize",
         ),
     ]

@@ -15,7 +15,13 @@ its capacity (the stuck thread exits when its compile returns). Only when
 NOTE: a fixed pool without replacement (the simple design) saturates on the
 first stuck compile when the pool has one worker, which is the default on a
 2-core machine: `gramcoord check` on the 600 dev schemas then reported 125
-of them saturated; with replacement, none.
+of them saturated.
+
+A killable subprocess compile was measured and rejected: shipping the
+``CompiledGrammar`` back (``serialize_json`` + ``deserialize_json``) doubles
+the median admission cost of a dev schema and reached 97 MB and 12 s for
+one grammar that compiled in under a second (``gramcoord bench compile``,
+row ``thread_compile``).
 
 In ``sync`` mode the compile runs inline and is never timed out: under an
 external launcher every rank must reach the same verdict without a
