@@ -308,7 +308,7 @@ class Runtime:
             how,
             exc,
         )
-        self.close()
+        self.close(drain=False)
         raise PeerLostError(
             rank=self.rank,
             ranks=lost,
@@ -318,10 +318,22 @@ class Runtime:
             detail=f"{how}; {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
         ) from exc
 
-    def close(self) -> None:
-        """Destroy the control groups (and the world if this runtime made it)."""
+    def close(self, *, drain: bool = True) -> None:
+        """Release the control groups (and the world if this runtime made it).
+
+        With ``drain`` (the default), sends still in flight are completed
+        first, within the call timeout: destroying a group under an
+        unfinished send would reset the receiver's connection, and it would
+        report this rank as lost.
+        """
         if self._closed:
             return
+        if drain and self._sends:
+            try:
+                self.drain(operation="close")
+            except PeerLostError as exc:  # already closed by _lost
+                logger.warning("[rank %d] a send in flight at close failed: %s", self.rank, exc)
+                return
         self._closed = True
         self._sends.clear()
         self._buffers.clear()

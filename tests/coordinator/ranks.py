@@ -6,12 +6,9 @@ returns plain values for the parent to compare across ranks.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 from coordinator.config import DistributedConfig
-from coordinator.errors import PeerLostError
 from coordinator.layout import ParallelLayout
 from coordinator.runtime import Runtime
 from rank_worker.admission import Admission
@@ -155,36 +152,3 @@ def poison_body(rank, world, steps, re_add_step):
         agreed_ms=manager.agreed_ms,
         poison_exchanges=admission.coordinator.poison.exchanges,
     )
-
-
-def lost_peer_body(rank, world, layout_kw, victim, how, step_timeout_s, pid_dir):
-    """Run fake steps until ``victim`` dies or hangs at step 5; report the error."""
-    with open(os.path.join(pid_dir, f"pid.{rank}"), "w") as f:
-        f.write(str(os.getpid()))
-    layout = ParallelLayout(**layout_kw)
-    manager_cfg = dict(max_pending=4, compile_timeout_s=5.0, num_compile_workers=1)
-    manager, _, runtime, admission = _setup(rank, layout, manager_cfg, {}, step_timeout_s)
-    manager.add("r0", SPECS[0], seq=0)
-    last_ok = time.monotonic()
-    try:
-        for step in range(1, 10_000):
-            if rank == victim and step == 5:
-                if how == "sigkill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(step_timeout_s + 1.5)  # outlive the survivors' deadline
-                return dict(hung=True)
-            admission.coordinator.step(step, admission)
-            last_ok = time.monotonic()
-            time.sleep(0.01)
-    except PeerLostError as exc:
-        return dict(
-            error=type(exc).__name__,
-            ranks=exc.ranks,
-            operation=exc.operation,
-            message=str(exc),
-            waited_s=time.monotonic() - last_ok,
-            closed=runtime._closed,
-        )
-    finally:
-        manager.close()
-    return dict(error=None)

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from coordinator.status import PendingState
-from tests.coordinator import ranks
+from tests.coordinator import lost_ranks, ranks
 from tests.procs import free_port, run_ranks
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(120)]
@@ -99,7 +99,7 @@ def test_lost_peer_raises_within_the_step_timeout(tmp_path, layout_kw, victim, h
     world = layout_kw["dp"] * layout_kw["pp"]
     before = _shm_entries()
     results = run_ranks(
-        ranks.lost_peer_body,
+        lost_ranks.lost_peer_body,
         world,
         args=(layout_kw, victim, how, timeout_s, str(tmp_path)),
         timeout=60,
