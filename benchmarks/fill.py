@@ -26,8 +26,10 @@ matcher advanced along its instance to a seeded random point.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +58,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench fill")
     p.add_argument("--data", type=Path, default=DATA, help="folder of schemas-dev.jsonl")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--repeat", type=int, default=21, help="timed repeats per figure")
+    p.add_argument("--repeat", type=int, default=41, help="timed repeats per figure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-schemas", type=int, default=120, help="schemas compiled at most")
     p.add_argument(
@@ -141,6 +143,26 @@ class _PoolFill:
             f.result()
 
 
+def _interleaved_medians(fns, *, repeat: int, warmup: int = 2) -> list[float]:
+    """Median ms of each function, timed round-robin so that a change in
+    machine load hits every variant alike (same-run baselines)."""
+    for fn in fns:
+        median_ms(fn, repeat=1, warmup=warmup)
+    samples: list[list[float]] = [[] for _ in fns]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeat):
+            for fn, out in zip(fns, samples):
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if enabled:
+            gc.enable()
+    return [statistics.median(x) for x in samples]
+
+
 def _fill_records(args, tokenizer, usable) -> list[BenchRecord]:
     threads = args.threads or default_fill_threads()
     records = []
@@ -160,10 +182,15 @@ def _fill_records(args, tokenizer, usable) -> list[BenchRecord]:
 
         assert not seq.build(states).failures
         np.testing.assert_array_equal(seq.build(states).bitmask, par.build(states).bitmask)
-        t_bare = median_ms(bare_fill, repeat=args.repeat)
-        t_seq = median_ms(lambda b=seq, s=states: b.build(s), repeat=args.repeat)
-        t_par = median_ms(lambda b=par, s=states: b.build(s), repeat=args.repeat)
-        t_pool = median_ms(lambda ms=matchers, out=bare: pool(ms, out), repeat=args.repeat)
+        t_bare, t_seq, t_par, t_pool = _interleaved_medians(
+            [
+                bare_fill,
+                lambda b=seq, s=states: b.build(s),
+                lambda b=par, s=states: b.build(s),
+                lambda ms=matchers, out=bare: pool(ms, out),
+            ],
+            repeat=args.repeat,
+        )
         note = f"batch {n}, {len(usable)} schemas, {threads} threads"
         records += [
             BenchRecord.compare(

@@ -197,7 +197,9 @@ class BitmaskBuilder:
         if matchers:
             engine = self._engine(parallel=len(states) >= self.parallel_threshold)
             try:
-                engine.batch_fill_next_token_bitmask(matchers, out, rows)
+                # All constrained: rows are 0..n-1, so skip the index list.
+                indices = None if len(rows) == len(states) else rows
+                engine.batch_fill_next_token_bitmask(matchers, out, indices)
             except RuntimeError:
                 # xgrammar refuses the whole batch if one matcher has accepted
                 # a stop token; find those and fill the others one by one.

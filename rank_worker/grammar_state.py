@@ -325,6 +325,8 @@ def live_rows(rows: np.ndarray, vocab_size: int) -> np.ndarray:
     full, rem = divmod(vocab_size, 32)
     probe = min(full, _PROBE_WORDS)
     live = rows[:, :probe].any(axis=1) if probe else np.zeros(len(rows), dtype=bool)
+    if live.all():
+        return live
     rest = np.flatnonzero(~live)
     if rest.size:
         sub = rows[rest]
