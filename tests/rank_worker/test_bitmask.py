@@ -75,6 +75,8 @@ def test_speculative_rows(request, compile_json, piece, vocab, prefix, pieces, k
     assert pattern(result.bitmask) == rows
     validated = trim_drafts(state, drafts)
     assert validated == drafts[:kept]
+    # Rows before the first constrained one are the reasoning rows.
+    assert state.constraint_bounds(drafts) == (rows.index("C"), rows.index("C"))
 
     # Invariants: a build changes nothing ...
     after = (state.validate_tokens(drafts), state.num_tokens, next_mask(state))
