@@ -172,6 +172,8 @@ class BitmaskBuilder:
         out = self._buffer[: n * self.rows_per_request]
         failures: dict[int, GrammarError] = {}
         if self.num_speculative_tokens == 0:
+            if drafts is not None and any(d and d[0] >= 0 for d in drafts):
+                raise ValueError("drafts given to a builder with K=0 speculative tokens")
             self._fill_next(states, out, failures)
         else:
             for i, state in enumerate(states):
@@ -186,6 +188,8 @@ class BitmaskBuilder:
         vocab = self.vocab_size
         matchers: list[xgr.GrammarMatcher] = []
         rows: list[int] = []
+        # The hot loop reads GrammarState's fields directly: a property call
+        # per request is a measurable share of a cheap fill.
         for i, state in enumerate(states):
             if state.vocab_size != vocab:
                 self._check_vocab(state)

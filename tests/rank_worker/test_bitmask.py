@@ -252,12 +252,16 @@ def test_buffer_is_allocated_once(tiny_tokenizer, compile_json):
         pytest.param({"drafts": [[1, 2, 3]]}, "drafts", id="too-many-drafts"),
         pytest.param({"drafts": [[], []]}, "draft lists", id="draft-count"),
         pytest.param({"vocab": 64}, "vocabulary", id="vocab-mismatch"),
+        pytest.param({"vocab": 64, "k": 0}, "vocabulary", id="vocab-mismatch-k0"),
+        pytest.param({"drafts": [[1]], "k": 0}, "K=0", id="drafts-without-k"),
     ],
 )
 def test_build_rejects_bad_calls(tiny_tokenizer, compile_json, kwargs, match):
     state = GrammarState(compile_json(tiny_tokenizer, OBJECT))
     builder = BitmaskBuilder(
-        kwargs.get("vocab", tiny_tokenizer.vocab_size), max_num_seqs=2, num_speculative_tokens=2
+        kwargs.get("vocab", tiny_tokenizer.vocab_size),
+        max_num_seqs=2,
+        num_speculative_tokens=kwargs.get("k", 2),
     )
     with pytest.raises(ValueError, match=match):
         builder.build([state] * kwargs.get("n", 1), kwargs.get("drafts"))
