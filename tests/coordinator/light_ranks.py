@@ -1,4 +1,4 @@
-"""Rank body for the lost-peer tests: the runtime and coordinator only.
+"""Rank bodies that need only the runtime and coordinator (lost peers, own world).
 
 It imports no grammar machinery (xgrammar costs seconds per spawned rank);
 a ``FakeMember`` with one ready request stands in for the manager.
@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+import torch.distributed as dist
 
 from coordinator.config import DistributedConfig
 from coordinator.coordinator import Coordinator
@@ -49,3 +51,18 @@ def lost_peer_body(rank, world, layout_kw, victim, how, step_timeout_s, pid_dir)
             closed=runtime._closed,
         )
     return dict(error=None)
+
+
+def own_world_body(rank, world, port):
+    """Runtime.start: gramcoord makes the world itself, agrees, and tears it down."""
+    layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
+    cfg = DistributedConfig(master_port=port, init_timeout_s=30, step_timeout_s=10)
+    runtime = Runtime.start(layout, rank=rank, distributed=cfg)
+    coordinator = Coordinator(layout, runtime, window=8)
+    member = FakeMember()
+    member.add(0, bytes(16), PendingState.READY if rank else PendingState.PENDING)
+    first = coordinator.step(1, member).decision
+    member.set(0, PendingState.READY)
+    second = coordinator.step(2, member).decision
+    runtime.close()
+    return dict(first=first.ready, second=second.ready, initialized=dist.is_initialized())

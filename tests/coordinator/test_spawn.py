@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 from coordinator.status import PendingState
-from tests.coordinator import lost_ranks, ranks
-from tests.procs import free_port, run_ranks
+from tests.coordinator import light_ranks, ranks
+from tests.procs import free_port, run_procs, run_ranks
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(120)]
 
@@ -99,7 +99,7 @@ def test_lost_peer_raises_within_the_step_timeout(tmp_path, layout_kw, victim, h
     world = layout_kw["dp"] * layout_kw["pp"]
     before = _shm_entries()
     results = run_ranks(
-        lost_ranks.lost_peer_body,
+        light_ranks.lost_peer_body,
         world,
         args=(layout_kw, victim, how, timeout_s, str(tmp_path)),
         timeout=60,
@@ -146,3 +146,10 @@ def test_external_launcher_under_torch_distributed_run(tmp_path):
     assert out[0]["outcomes"] == out[1]["outcomes"]
     assert {o[1] for o in out[0]["outcomes"]} == {"admitted", "failed"}
     assert "compile_mode forced to 'sync'" in proc.stderr
+
+
+def test_runtime_start_owns_and_releases_the_world():
+    port = free_port()
+    results = values(run_procs(light_ranks.own_world_body, 2, args=(port,), timeout=60))
+    for v in results:
+        assert v == dict(first=(), second=(0,), initialized=False)
