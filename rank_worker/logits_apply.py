@@ -150,8 +150,8 @@ class LogitsMasker:
         Raises
         ------
         ValueError
-            Logits of the wrong shape or device, or more rows than
-            ``max_rows``.
+            Logits of the wrong shape or device, more rows than
+            ``max_rows``, or a bitmask of the wrong dtype or width.
         """
         if logits.device.type != "cpu":
             raise ValueError(f"LogitsMasker is the CPU path; logits are on {logits.device}")
@@ -162,6 +162,11 @@ class LogitsMasker:
             )
         if plan.num_logit_rows > self._aligned.shape[0]:
             raise ValueError(f"{plan.num_logit_rows} logit rows exceed max_rows")
+        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != self.width:
+            raise ValueError(
+                f"bitmask must be int32 [rows, {self.width}]; got {bitmask.dtype} "
+                f"{tuple(bitmask.shape)}"
+            )
         vocab = _vocab_size(logits, bitmask.shape[1])
         # Reset what the previous step wrote, then lay this step's rows out.
         self._aligned[self._written] = -1

@@ -105,12 +105,18 @@ def test_second_call_leaves_no_stale_rows():
     assert (second[[0, 2]] == 0).all()
 
 
-def test_logits_wider_than_the_bitmask_are_rejected():
-    masker = LogitsMasker(W, max_rows=2)
-    with pytest.raises(ValueError, match="padded"):
-        masker.apply(
-            torch.zeros(1, W * 32 + 1), np.zeros((1, W), np.int32), plan_rows("a", "a", {}, 1)
-        )
+@pytest.mark.parametrize(
+    ("logits", "bitmask", "match"),
+    [
+        pytest.param(torch.zeros(1, W * 32 + 1), np.zeros((1, W), np.int32), "padded", id="wide"),
+        pytest.param(torch.zeros(2, V), np.zeros((1, W), np.int32), "rows", id="row-count"),
+        pytest.param(torch.zeros(1, V), np.zeros((1, W + 1), np.int32), "int32", id="width"),
+        pytest.param(torch.zeros(1, V), np.zeros((1, W), np.int64), "int32", id="dtype"),
+    ],
+)
+def test_bad_shapes_are_rejected(logits, bitmask, match):
+    with pytest.raises(ValueError, match=match):
+        LogitsMasker(W, max_rows=2).apply(logits, bitmask, plan_rows("a", "a", {}, 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
