@@ -291,6 +291,8 @@ class Runtime:
                 if missing:
                     time.sleep(0.02)
         except Exception as exc:
+            if self._owns_world and self.rank != 0:  # Runtime.start hosts the store on rank 0
+                return (0,), f"the store host (rank 0) is unreachable ({type(exc).__name__})"
             return (), f"roll call failed ({type(exc).__name__}; the store host may be lost)"
         return tuple(sorted(missing)), f"no answer to the roll call within {self._roll_call_s:.1f}s"
 
