@@ -232,7 +232,7 @@ def _hop_rows(rank, args):
     layout = ParallelLayout(dp=1, pp=2, tp=1)
     rows = []
     with Runtime.attach(layout, distributed=DistributedConfig(step_timeout_s=60)) as runtime:
-        pg = runtime._groups["pp_chain"][0]
+        pg = runtime.process_group("pp_chain")
         ack, ping = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         for pending in args.pending:
             chain = Chain(
@@ -289,7 +289,7 @@ def _pp_sync_rows(rank, world, args):
         fns = {}
         for mode, (layout, runtime) in runtimes.items():
             coord = Coordinator(layout, runtime, window=pending, clock=lambda: 1)
-            pg = runtime._groups["world"][0]
+            pg = runtime.process_group("world")
             fns[mode] = _acked(rank, world - 1, _steps(coord, member), ack, pg)
         times = _interleaved(fns, args.repeat)
         for _, runtime in runtimes.values():

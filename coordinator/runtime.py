@@ -188,6 +188,15 @@ class Runtime:
         entry = self._groups.get(group)
         return entry[1] if entry else ()
 
+    def process_group(self, group: str) -> dist.ProcessGroup | None:
+        """The gloo process group ``group`` of this rank (e.g. ``"tp"``), or None.
+
+        For callers that need their own calls on a control group; the
+        coordinator's own calls go through the methods below.
+        """
+        entry = self._groups.get(group)
+        return entry[0] if entry else None
+
     # -- calls ---------------------------------------------------------------
 
     def _group(self, name: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
