@@ -22,23 +22,26 @@ directions: a merge that shortens the output (``[a, b, c] -> [a, d]``) saved
 the steps the forced text would have taken but counts zero, and a jump that
 ends on a token boundary the model would not have chosen costs it an extra
 step later. ``benchmarks/fill.py`` measures the real saving by decoding with
-and without jump-forward. On 60 dev instances (greedy replay model, K = 0):
+and without jump-forward. On the 120 dev instances of ``bench fill``
+(greedy replay model, K = 0; steps without jump-forward: 14223 with
+``any_whitespace`` false, 11429 with true):
 
-====================  ============  ==============  ===========
-any_whitespace        steps saved   estimate        hold_back
-====================  ============  ==============  ===========
-false                 28.6% (885)   968             off
-false                 17.9% (555)   562             on
-true                   9.8% (247)   404             off
-true                   9.5% (239)   245             on
-====================  ============  ==============  ===========
+==============  =========  ====================  ========  ================
+any_whitespace  hold_back  steps saved (real)    estimate  outputs differ
+==============  =========  ====================  ========  ================
+false           off        39.3% (5585)          5850      0
+false           on         26.6% (3777)          3801      0
+true            off        14.1% (1616)          2616      0
+true            on         13.6% (1555)          1576      0
+==============  =========  ====================  ========  ================
 
 ``hold_back`` leaves the jump's last token to the model when a longer
 vocabulary token extends it, like xgrammar's ``find_jump_forward_tokens``:
 the model may then merge forced and free text (``" "`` + ``"`` as ``' "'``)
 as it would have without the jump. It keeps token boundaries closer to the
 model's own, but in a 150k vocabulary almost every token is extended by
-some longer one, so it gives up a third of the saving; it is off by default.
+some longer one, so it gives up a third of the saving with
+``any_whitespace`` false; it is off by default.
 
 When outputs with and without jump-forward differ
 --------------------------------------------------
@@ -46,12 +49,13 @@ With greedy sampling the forced text itself is always identical: the mask
 allows nothing else. What can differ is what comes after, through token
 boundaries:
 
-- The jump ends on a token boundary the model might not have chosen. A
-  model that would have emitted ``":"`` (closing quote, colon, and the
-  opening quote of a string value) as one token now continues after
-  ``": `` split as ``[":", " "]`` or similar. A model conditioned on token
-  ids (a real LM) sees a different context from there on and may choose
-  differently; a model conditioned on text (the synthetic model) does not.
+- The jump ends on a token boundary the model might not have chosen. After
+  a key, ``": `` is forced; a model that would have emitted ``' "'`` (the
+  forced space and the free opening quote of a string value) as one token
+  now continues after ``[":", " "]`` and emits the quote alone. A model
+  conditioned on token ids (a real LM) sees a different context from there
+  on and may choose differently; a model conditioned on text (the synthetic
+  model) does not. ``hold_back`` avoids most of these boundaries.
 - Retokenizing the window replaces model-chosen splits with the
   tokenizer's canonical ones (same text, different ids), which again only
   matters to a model conditioned on ids.
