@@ -95,7 +95,7 @@ def _shm_entries() -> set[str]:
     ],
 )
 def test_lost_peer_raises_within_the_step_timeout(tmp_path, layout_kw, victim, how, operation):
-    timeout_s = 3.0
+    timeout_s = 2.0
     world = layout_kw["dp"] * layout_kw["pp"]
     before = _shm_entries()
     results = run_ranks(
