@@ -124,7 +124,17 @@ class GrammarManager:
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
         self.stats: dict[str, int] = dict.fromkeys(
-            ("miss", "hit", "joined", "poisoned", "invalid_spec", "admitted", "failed"), 0
+            (
+                "miss",
+                "hit",
+                "joined",
+                "poisoned",
+                "invalid_spec",
+                "admitted",
+                "failed",
+                "unknown_seq",
+            ),
+            0,
         )
 
     # -- admission --------------------------------------------------------
@@ -252,22 +262,28 @@ class GrammarManager:
         decision:
             The agreed decision (identical on every rank of the group).
         wait_s:
-            For later pipeline stages: how long to wait for a local compile
-            of an admitted request that has not finished yet. Past it the
-            request fails with ``grammar_stage_timeout``.
+            For later pipeline stages: how long to wait, in total, for local
+            compiles of admitted requests that have not finished yet. One
+            deadline covers the whole decision; past it a request fails
+            with ``grammar_stage_timeout``.
         """
+        deadline = time.monotonic() + wait_s
         self.agreed_ms = max(self.agreed_ms, decision.clock_ms)
         self.poison.expire(self.agreed_ms)
         failed = dict(decision.failed)
         outcomes, self._deferred = self._deferred, []
         for seq in sorted(set(decision.ready) | failed.keys()):
             entry = self._pending.pop(seq, None)
-            if entry is None:  # aborted here before the decision landed
+            if entry is None:
+                # Aborted here before the decision landed, or a caller bug
+                # (a seq this rank never saw): counted, never guessed at.
+                self.stats["unknown_seq"] += 1
+                logger.debug("decision %d names seq %d, not pending here", decision.step, seq)
                 continue
             if seq in failed:
                 outcomes.append(self._fail(entry, failed[seq]))
             else:
-                outcomes.append(self._admit(entry, wait_s))
+                outcomes.append(self._admit(entry, max(0.0, deadline - time.monotonic())))
         self._fill_window()
         return outcomes
 

@@ -96,6 +96,8 @@ def _gloo_child(rank, world_size, fn, init_timeout_s, *args):
 
 
 def _reap(procs: list[mp.Process]) -> None:
+    # A process whose start() raised has no pid and must not be touched.
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -162,7 +164,7 @@ def run_procs(
         results_q.join_thread()
     for i, p in enumerate(procs):
         r = results.setdefault(i, ProcResult(i, False, error_type="timeout"))
-        r.exitcode = p.exitcode
+        r.exitcode = p.exitcode if p.pid is not None else None
     ordered = [results[i] for i in range(nprocs)]
     if check and (reason or not all(r.ok for r in ordered)):
         raise SpawnError(ordered, reason or "a process failed")
