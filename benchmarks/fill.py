@@ -58,7 +58,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench fill")
     p.add_argument("--data", type=Path, default=DATA, help="folder of schemas-dev.jsonl")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--repeat", type=int, default=41, help="timed repeats per figure")
+    p.add_argument("--repeat", type=int, default=61, help="timed repeats per figure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-schemas", type=int, default=120, help="schemas compiled at most")
     p.add_argument(
