@@ -82,6 +82,8 @@ class ChannelHandle(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float
     # Seconds a reader waits for the writer's answer to its hello.
     handshake_timeout_s: float
+    # Microseconds a local reader polls the ring before sleeping on zmq.
+    spin_us: int
 
 
 @dataclasses.dataclass
@@ -173,8 +175,11 @@ class BitmaskChannel:
             ring=self._ring.handle,
             timeout_s=self._config.timeout_s,
             handshake_timeout_s=self._config.handshake_timeout_s,
+            spin_us=self._config.spin_us,
         )
         self._next_liveness = 0.0
+        self._acquired: np.ndarray | None = None  # the view acquire() handed out
+        self._shm_readers = False
 
     @property
     def handle(self) -> ChannelHandle:
@@ -250,7 +255,8 @@ class BitmaskChannel:
         if len(self._peers) < len(self._names):
             self.accept()
         timeout = self._config.timeout_s if timeout is None else timeout
-        return self._ring.acquire_write(rows, timeout, self._on_wait)
+        self._acquired = self._ring.acquire_write(rows, timeout, self._on_wait)
+        return self._acquired
 
     def publish(
         self,
@@ -308,18 +314,19 @@ class BitmaskChannel:
             )
         self._pump(0)  # a Bye or a Release may be waiting
         self._raise_if_gone(self._peers)
+        acquired, self._acquired = self._acquired, None
         view = self.acquire(array.shape[0], timeout)
-        if view.ctypes.data != array.ctypes.data:
+        if array is not acquired:
             np.copyto(view, array)
-        slot = self._ring.publish(step)
         rows = array.shape[0]
-        ready = frame = b""
+        slot = self._ring.next_slot
+        ready = self._control.encode(BitmaskReady(step, slot, rows, order, drafts))
+        # The announcement also goes into the slot, for readers polling it.
+        self._ring.publish(step, ready if self._shm_readers else b"")
+        frame = b""
         try:
             for peer in self._peers.values():
                 if peer.mode == "shm":
-                    ready = ready or self._control.encode(
-                        BitmaskReady(step, slot, rows, order, drafts)
-                    )
                     self._control.send(peer.name, ready)
                 else:
                     frame = frame or self._control.encode(
@@ -332,6 +339,7 @@ class BitmaskChannel:
             self._pump(0)  # its Bye, if it said one, tells why
             self._raise_if_gone(exc.peers)
             raise
+        self._acquired = None
         self._pump(0)
         return slot
 
@@ -389,12 +397,14 @@ class BitmaskChannel:
         if self._closed:
             raise TransportError("the channel is closed")
 
-    def _on_wait(self, lagging: tuple[str, ...], pause: float) -> None:
+    def _on_wait(self, step: int, pause: float) -> None:
         self._pump(pause)
         now = time.monotonic()
         if now < self._next_liveness:
             return
         self._next_liveness = now + _LIVENESS_EVERY_S
+        # Asked after the pump: a reader that released and then left is fine.
+        lagging = self._ring.lagging(step)
         self._raise_if_gone(lagging)
         for name in lagging:
             peer = self._peers.get(name)
@@ -444,6 +454,7 @@ class BitmaskChannel:
         assert mode is not None
         local = hello.hostname == self._host
         self._peers[sender] = _Peer(sender, mode, hello.pid, local)
+        self._shm_readers = self._shm_readers or mode == "shm"
         index = self._names.index(sender)
         welcome = Welcome(PROTOCOL_VERSION, self._vocab_size, index, mode)
         self._control.send(sender, self._control.encode(welcome))

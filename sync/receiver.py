@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -49,14 +51,18 @@ from sync.messages import (
     Shutdown,
     Welcome,
     WriterMessage,
+    reader_decoder,
 )
-from sync.ring import BitmaskRing
+from sync.ring import POLLING_IS_SAFE, BitmaskRing
 
 __all__ = ["BitmaskReceiver"]
 
 # A waiting reader wakes this often to check the deadline and the writer.
 _SLICE_S = 0.1
 _WIRE = np.dtype("<i4")
+
+# What receive() returns: the read-only view, request ids, draft counts.
+Received = tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]
 
 
 class BitmaskReceiver:
@@ -78,6 +84,7 @@ class BitmaskReceiver:
         mode: str,
         ring: BitmaskRing | None,
         local: bool,
+        spin_us: int = 0,
     ) -> None:
         self.name = name
         self.mode = mode
@@ -90,6 +97,12 @@ class BitmaskReceiver:
         self._held: dict[int, zmq.Frame | None] = {}
         self._closed = False
         self._writer_gone = False
+        # Polling the ring: for how long, which slot comes next, and the steps
+        # taken from the ring whose zmq announcement is still on its way.
+        self._spin_s = spin_us * 1e-6 if ring is not None and POLLING_IS_SAFE else 0.0
+        self._next_slot = 0
+        self._polled: set[int] = set()
+        self._notes = reader_decoder()
 
     @classmethod
     def connect(
@@ -100,6 +113,7 @@ class BitmaskReceiver:
         vocab_size: int,
         timeout: float | None = None,
         hostname: str | None = None,
+        spin_us: int | None = None,
     ) -> BitmaskReceiver:
         """Say hello to the writer and wait for its welcome.
 
@@ -118,6 +132,10 @@ class BitmaskReceiver:
         hostname
             Host name to announce; this host's when None. Tests use it to
             play a reader on another node.
+        spin_us
+            Microseconds :meth:`receive` polls the ring before sleeping on
+            the control socket; ``handle.spin_us`` when None. Only readers in
+            shm mode on x86-64 poll (see ``sync.ring.POLLING_IS_SAFE``).
 
         Returns
         -------
@@ -155,7 +173,8 @@ class BitmaskReceiver:
         except BaseException:
             client.close()
             raise
-        return cls(handle, name, client, mode, ring, local=host == handle.hostname)
+        spin = handle.spin_us if spin_us is None else spin_us
+        return cls(handle, name, client, mode, ring, local=host == handle.hostname, spin_us=spin)
 
     @staticmethod
     def _await_welcome(client: ControlClient, name: str, endpoint: str, timeout: float) -> Welcome:
@@ -183,9 +202,7 @@ class BitmaskReceiver:
         """Control frames dropped: malformed, unknown, stale or not matching the ring."""
         return self._client.dropped
 
-    def receive(
-        self, step: int, timeout: float | None = None
-    ) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]:
+    def receive(self, step: int, timeout: float | None = None) -> Received:
         """Wait for the rows of ``step``.
 
         Parameters
@@ -224,13 +241,20 @@ class BitmaskReceiver:
         timeout = self._handle.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         try:
+            # First whatever is queued, so the socket is drained every step
+            # even when the ring poll below finds every step first.
+            while (got := self._client.recv(0)) is not None:
+                if (result := self._take(step, *got)) is not None:
+                    return result
+            if self._spin_s:
+                until = min(deadline, time.monotonic() + self._spin_s)
+                if (result := self._poll_ring(step, until)) is not None:
+                    return result
             while (remaining := deadline - time.monotonic()) > 0:
                 got = self._client.recv(min(remaining, _SLICE_S))
                 if got is None:
                     self._check_writer()
-                    continue
-                result = self._take(step, *got)
-                if result is not None:
+                elif (result := self._take(step, *got)) is not None:
                     return result
         except WriterLost:
             self._writer_gone = True
@@ -291,51 +315,85 @@ class BitmaskReceiver:
         if self._local and not pid_alive(self._handle.pid):
             raise WriterLost(f"the writer (pid {self._handle.pid}) died", peers=["writer"])
 
-    def _take(
-        self, step: int, message: WriterMessage, frame: zmq.Frame | None
-    ) -> tuple[np.ndarray, tuple[str, ...], tuple[int, ...]] | None:
+    def _poll_ring(self, step: int, until: float) -> Received | None:
+        """Busy-poll the next slot for ``step`` until ``until``; None if it did not show.
+
+        Announcements read from the ring are checked like messages, but a bad
+        one is left to the zmq path (which counts it) instead of counted here.
+        """
+        ring, slot = self._ring, self._next_slot
+        assert ring is not None
+        while (note := ring.note(slot, step)) is None:
+            if time.monotonic() >= until:
+                return None
+            os.sched_yield()  # on an oversubscribed host, let the writer run
+        try:
+            message = self._notes.decode(note)
+            if not isinstance(message, BitmaskReady) or (message.step, message.slot) != (
+                step,
+                slot,
+            ):
+                return None
+            view = self._shm_view(message)
+        except (msgspec.DecodeError, ProtocolError):
+            return None
+        self._polled.add(step)
+        return self._accept(message, view, None)
+
+    def _take(self, step: int, message: WriterMessage, frame: zmq.Frame | None) -> Received | None:
         match message:
             case Shutdown(reason=reason):
                 raise ChannelClosed(f"the writer closed the channel: {reason}", peers=["writer"])
             case Bye(reason=reason):
                 raise WriterLost(f"the writer said bye: {reason}", peers=["writer"])
-            case BitmaskReady() if self._ring is not None:
-                view = self._check(message, lambda m: self._ring.read(m.slot, m.step, m.rows))
-            case BitmaskFrame() if self._ring is None:
-                view = self._check(message, lambda m: self._frame_view(m, frame))
-            case _:
-                self._client.reject(
-                    f"{type(message).__name__} is not expected by a {self.mode} reader"
-                )
+            case BitmaskReady(step=polled) if polled in self._polled:
+                # Already taken from the ring: its announcement, not a new step.
+                self._polled = {s for s in self._polled if s > polled}
                 return None
-        if view is None:
+            case BitmaskReady() if self._ring is not None:
+                make = self._shm_view
+            case BitmaskFrame() if self._ring is None:
+                make = partial(self._frame_view, frame=frame)
+            case _:
+                self._client.reject(f"{type(message).__name__} is unexpected in {self.mode} mode")
+                return None
+        try:
+            view = make(message)
+        except ProtocolError as exc:
+            self._client.reject(str(exc))
             return None
         if message.step != step:
             raise ProtocolError(
-                f"reader {self.name!r} waits for step {step} but the writer published step {message.step}",
+                f"reader {self.name!r} waits for step {step} "
+                f"but the writer published step {message.step}",
                 peers=[self.name],
             )
-        self._last = step
-        self._held[step] = frame
+        return self._accept(message, view, frame)
+
+    def _accept(
+        self, message: BitmaskReady | BitmaskFrame, view: np.ndarray, frame: zmq.Frame | None
+    ) -> Received:
+        self._last = message.step
+        self._held[message.step] = frame
+        if isinstance(message, BitmaskReady):
+            self._next_slot = (message.slot + 1) % self._handle.ring.num_slots
         return view, message.request_ids, message.num_drafts
 
-    def _check(self, message: BitmaskReady | BitmaskFrame, make_view) -> np.ndarray | None:
-        why = None
+    def _check_new(self, message: BitmaskReady | BitmaskFrame) -> None:
         if message.step <= self._last:
-            why = f"step {message.step} is not newer than {self._last}"
-        elif len(message.request_ids) != len(message.num_drafts):
-            why = (
+            raise ProtocolError(f"step {message.step} is not newer than {self._last}")
+        if len(message.request_ids) != len(message.num_drafts):
+            raise ProtocolError(
                 f"{len(message.request_ids)} request ids but {len(message.num_drafts)} draft counts"
             )
-        else:
-            try:
-                return make_view(message)
-            except ProtocolError as exc:
-                why = str(exc)
-        self._client.reject(why)
-        return None
+
+    def _shm_view(self, message: BitmaskReady) -> np.ndarray:
+        self._check_new(message)
+        assert self._ring is not None
+        return self._ring.read(message.slot, message.step, message.rows)
 
     def _frame_view(self, message: BitmaskFrame, frame: zmq.Frame | None) -> np.ndarray:
+        self._check_new(message)
         ring = self._handle.ring
         size = message.rows * message.width * _WIRE.itemsize
         if (

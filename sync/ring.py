@@ -13,8 +13,12 @@ Layout of the segment (all offsets in bytes, all header words int64)::
     D            slot 0: header (64 B)
                    [0] step (-1 while empty)  [1] rows  [2] generation
                    (odd while the writer fills it, even once published)
+                   [3] announcement length (-1: too long, only sent over zmq)
+                 then the announcement: M bytes, M = roundup(max(4096,
+                   64 * max_rows), 64); the encoded BitmaskReady, so that a
+                   reader polling the slot needs no message
                  then data: max_rows * W int32, padded to 64 B
-    D + S        slot 1, where S = 64 + roundup(max_rows * W * 4, 64)
+    D + S        slot 1, where S = 64 + M + roundup(max_rows * W * 4, 64)
     ...
     D + (K-1)*S  slot K-1
 
@@ -22,20 +26,25 @@ Steps are published in strictly increasing order into slots 0, 1, ..., K-1,
 0, 1, ... A reader releases a step by storing it in its own line of the
 reader table; releasing step s releases every earlier step too. Slot i can
 be rewritten when every reader's released step is at least the step it
-holds, so a slot is reused only after every reader released it.
+holds, so a slot is reused only after every reader released it. The writer
+stores a slot's data, announcement, rows and length before its step, and
+its step before the even generation, so a reader that sees the step sees
+everything else.
 
 NOTE: release counters in shared memory, not Release messages: a local
 reader releases with one 8-byte store and no syscall, and the writer
 checks all readers with one numpy ``min``. Readers that are not on this
 host send ``Release`` messages and the writer copies them into their line,
 so one rule covers both. Aligned 8-byte stores are atomic on every
-supported CPU, and the zmq send/receive that announces a slot is a syscall
-on both sides, which orders the data writes before the reader's loads.
+supported CPU. A reader told of a slot by zmq is ordered by the syscalls on
+both sides; a reader that polls the slot header relies on the CPU keeping
+stores in order (x86-64), see :data:`POLLING_IS_SAFE`.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,20 +54,27 @@ import numpy as np
 from sync.errors import ProtocolError, TransportError, TransportTimeout, quote_names
 from sync.segment import Segment, segment_name
 
-__all__ = ["BitmaskRing", "RingHandle"]
+__all__ = ["POLLING_IS_SAFE", "BitmaskRing", "RingHandle"]
 
 _MAGIC = int.from_bytes(b"GCRING\x00\x01", "little")
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2
 _LINE = 64
 _PAGE = 4096
 # Header word set once the writer closed the ring.
 _H_CLOSED = 7
 # Slot header words.
-_S_STEP, _S_ROWS, _S_GEN = 0, 1, 2
+_S_STEP, _S_ROWS, _S_GEN, _S_NOTE = 0, 1, 2, 3
 
-# Called while the writer waits: (lagging reader names, seconds to pause).
-# It may block up to the pause (e.g. polling a socket) and may raise.
-WaitHook = Callable[[tuple[str, ...], float], None]
+# Whether readers may learn of a slot by polling its header. Python has no
+# memory fences, so this needs a CPU that keeps one core's stores in order
+# for every other core (total store order): x86-64. Elsewhere readers wait
+# for the zmq announcement, whose syscalls order memory.
+POLLING_IS_SAFE = platform.machine().lower() in ("x86_64", "amd64")
+
+# Called while the writer waits: (step every reader must release, seconds to
+# pause). It may block up to the pause (e.g. polling a socket), may learn of
+# releases (set_released) and may raise to stop the wait.
+WaitHook = Callable[[int, float], None]
 
 
 def _roundup(n: int, to: int) -> int:
@@ -78,15 +94,22 @@ class RingHandle(msgspec.Struct, frozen=True, kw_only=True):
     max_rows: int
     # int32 words per row: ceil(vocab_size / 32).
     width: int
+    # Bytes reserved per slot for the encoded announcement.
+    note_bytes: int
     # Reader names; a reader's position is its line in the reader table.
     readers: tuple[str, ...]
     # Segment size in bytes.
     size: int
 
 
+def _note_bytes(max_rows: int) -> int:
+    # Room for ~60 bytes of request id per row; longer ids go over zmq only.
+    return _roundup(max(4096, 64 * max_rows), _LINE)
+
+
 def _layout(num_slots: int, num_readers: int, max_rows: int, width: int) -> tuple[int, int, int]:
     data_start = _roundup(_LINE * (1 + num_readers), _PAGE)
-    stride = _LINE + _roundup(max_rows * width * 4, _LINE)
+    stride = _LINE + _note_bytes(max_rows) + _roundup(max_rows * width * 4, _LINE)
     return data_start, stride, data_start + num_slots * stride
 
 
@@ -108,9 +131,16 @@ class BitmaskRing:
         self._head = np.ndarray((8,), np.int64, buf, 0)
         self._released = np.ndarray((r, 8), np.int64, buf, _LINE)
         self._slots = np.ndarray((k, 8), np.int64, buf, data_start, (stride, 8))
+        note = handle.note_bytes
+        self._notes = [
+            np.ndarray((note,), np.uint8, buf, data_start + i * stride + _LINE) for i in range(k)
+        ]
         self._data = [
             np.ndarray(
-                (handle.max_rows, handle.width), np.int32, buf, data_start + i * stride + _LINE
+                (handle.max_rows, handle.width),
+                np.int32,
+                buf,
+                data_start + i * stride + _LINE + note,
             )
             for i in range(k)
         ]
@@ -173,6 +203,7 @@ class BitmaskRing:
             num_slots=num_slots,
             max_rows=max_rows,
             width=width,
+            note_bytes=_note_bytes(max_rows),
             readers=tuple(readers),
             size=size,
         )
@@ -280,8 +311,22 @@ class BitmaskRing:
         self._pending = rows
         return self._data[slot][:rows]
 
-    def publish(self, step: int) -> int:
+    @property
+    def next_slot(self) -> int:
+        """The slot the next :meth:`acquire_write` fills."""
+        return self._next % self._handle.num_slots
+
+    def publish(self, step: int, note: bytes = b"") -> int:
         """Mark the acquired slot as holding ``step``; return the slot index.
+
+        Parameters
+        ----------
+        step
+            Greater than every step published before.
+        note
+            The encoded announcement, stored in the slot so that readers
+            polling it need no message; skipped (length -1) if it does not
+            fit in ``handle.note_bytes``.
 
         Raises
         ------
@@ -294,8 +339,13 @@ class BitmaskRing:
         if step <= self._last_step:
             raise ValueError(f"steps must increase: {step} after {self._last_step}")
         slot = self._next % self._handle.num_slots
-        self._slots[slot, _S_STEP] = step
+        fits = len(note) <= self._handle.note_bytes
+        if fits:
+            self._notes[slot][: len(note)] = np.frombuffer(note, np.uint8)
         self._slots[slot, _S_ROWS] = self._pending
+        self._slots[slot, _S_NOTE] = len(note) if fits else -1
+        # Order matters (see the module docstring): the step, then the generation.
+        self._slots[slot, _S_STEP] = step
         self._slots[slot, _S_GEN] += 1  # even: published
         self._pending = None
         self._last_step = step
@@ -343,7 +393,7 @@ class BitmaskRing:
                     peers=lag,
                 )
             if on_wait is not None:
-                on_wait(lag, min(pause, deadline - now))
+                on_wait(step, min(pause, deadline - now))
             else:
                 time.sleep(min(pause, deadline - now))
             # Yield first (a release is usually microseconds away), then back
@@ -373,6 +423,20 @@ class BitmaskRing:
             )
         return self._data[slot][:rows]
 
+    def note(self, slot: int, step: int) -> bytes | None:
+        """The announcement stored with ``step`` in ``slot``, or None.
+
+        None while the slot holds another step, is being written, or the
+        announcement did not fit. Only meaningful where
+        :data:`POLLING_IS_SAFE`.
+        """
+        if int(self._slots[slot, _S_STEP]) != step:
+            return None
+        gen, length = self._slots[slot, _S_GEN : _S_NOTE + 1].tolist()
+        if gen % 2 or length < 0:
+            return None
+        return self._notes[slot][:length].tobytes()
+
     def release(self, step: int) -> None:
         """Release ``step`` and every earlier step (this reader's line only)."""
         if self._reader is None:
@@ -391,7 +455,7 @@ class BitmaskRing:
             return
         if self._reader is None:
             self._head[_H_CLOSED] = 1
-        del self._head, self._released, self._slots, self._data
+        del self._head, self._released, self._slots, self._notes, self._data
         self._segment.close()
         if self._segment.owner:
             self._segment.unlink()

@@ -244,10 +244,17 @@ FRAMES = st.lists(st.binary(max_size=64), min_size=1, max_size=3) | st.builds(
 )
 
 
-@pytest.mark.parametrize("kind", ["auto", "tcp"])
-def test_hypothesis_frames_never_break_a_reader(run_id, kind):
+@pytest.mark.parametrize(
+    ("kind", "spin_us"),
+    [
+        pytest.param("auto", 0, id="shm"),
+        pytest.param("auto", 1000, id="shm-polling"),
+        pytest.param("tcp", 0, id="tcp"),
+    ],
+)
+def test_hypothesis_frames_never_break_a_reader(run_id, kind, spin_us):
     with make_channel(run_id, kind=kind) as channel:
-        reader = join(channel)["tp1"]
+        reader = join(channel, spin_us=spin_us)["tp1"]
         steps = itertools.count()
 
         @settings(
@@ -257,10 +264,13 @@ def test_hypothesis_frames_never_break_a_reader(run_id, kind):
         )
         @given(frames=FRAMES)
         def check(frames):
-            step, before = next(steps), reader.dropped
             channel.control.send_frames("tp1", frames)
-            roundtrip(channel, reader, step)
-            assert reader.dropped == before + 1
+            roundtrip(channel, reader, next(steps))
 
         check()
-        reader.close()
+        sent = next(steps)
+        channel.close()  # Shutdown follows every fuzzed frame
+    with pytest.raises(ChannelClosed):
+        reader.receive(sent)
+    assert reader.dropped == sent  # one per example, each counted once
+    reader.close()

@@ -193,7 +193,7 @@ def test_reader_survives_ten_thousand_fuzzed_frames(peers, run_id):
     rng = np.random.default_rng(1234)
     with channel(["tp1"], run_id) as ch:
         out = peers.queue()
-        peers.start(reader_main, ch.handle, "tp1", list(range(steps)), out)
+        peers.start(reader_main, ch.handle, "tp1", list(range(steps)), out, until_closed=True)
         ch.accept()
         slot_rows = {}
         for step in range(steps):
@@ -202,6 +202,7 @@ def test_reader_survives_ten_thousand_fuzzed_frames(peers, run_id):
             array, order, drafts = mask_for(step)
             slot_rows[step] = (ch.publish(step, array, order, drafts), array.shape[0])
         ch.drain()
+        ch.close()  # Shutdown comes after every fuzzed frame
         report = peers.results(out, 1)["tp1"]
     assert report[1] == "ok", report
     assert report[2] == expected_digests(range(steps))

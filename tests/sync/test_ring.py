@@ -131,13 +131,13 @@ def test_wait_hook_sees_laggards_and_may_abort(ring):
     a.release(0)
     seen = []
 
-    def hook(lagging, pause):
-        seen.append(lagging)
+    def hook(step, pause):
+        seen.append((step, ring.lagging(step)))
         raise RuntimeError("stop waiting")
 
     with pytest.raises(RuntimeError, match="stop waiting"):
         ring.wait_released(0, timeout=5, on_wait=hook)
-    assert seen == [("b",)]
+    assert seen == [(0, ("b",))]
     a.close()
     b.close()
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from sync import BitmaskChannel, BitmaskReceiver, BitmaskRing, TransportConfig
+from sync import BitmaskChannel, BitmaskReceiver, BitmaskRing, ChannelClosed, TransportConfig
 from sync.janitor import PREFIX
 
 VOCAB = 1000  # 32 words per row: small enough for thousands of steps on 2 cores
@@ -86,6 +86,7 @@ def reader_main(
     hold_after: int | None = None,
     stop=None,
     timeout: float | None = None,
+    until_closed: bool = False,
 ) -> None:
     """Receive ``steps``, digest each one, release it; report the digests.
 
@@ -93,7 +94,9 @@ def reader_main(
     the view again; a changed digest means the writer overwrote a held slot.
     ``die_after``: SIGKILL ourselves after receiving that many steps, holding
     the last one. ``hold_after``: after that many steps, hold the last one
-    without releasing until ``stop`` is set.
+    without releasing until ``stop`` is set. ``until_closed``: afterwards,
+    keep receiving until the writer closes the channel, so that every frame
+    it sent has been read.
     """
     rx = None
     digests: list[bytes] = []
@@ -117,6 +120,13 @@ def reader_main(
                 if digest(step, view, order, drafts) != first:
                     raise AssertionError(f"step {step} changed while {name} held it")
             rx.release(step)
+        if until_closed:
+            try:
+                rx.receive(steps[-1] + 1 if steps else 0)
+            except ChannelClosed:
+                pass
+            else:
+                raise AssertionError(f"{name} received a step beyond {steps[-1]}")
         out.put((name, "ok", digests, rx.dropped, rx.mode))
     except BaseException as exc:
         out.put((name, type(exc).__name__, f"{exc} (after {len(digests)} steps)", None, None))
