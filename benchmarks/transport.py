@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -243,7 +244,7 @@ def run(args: list[str]) -> list[BenchRecord]:
         array = _mask(rows)
         shape = f"[{rows}x{WIDTH}]"
         dst = np.empty_like(array)
-        memcpy = median_ms(lambda: np.copyto(dst, array), repeat=opts.iters, warmup=opts.warmup)
+        memcpy = median_ms(partial(np.copyto, dst, array), repeat=opts.iters, warmup=opts.warmup)
         ms = {m: _measure(m, array, opts.iters, opts.warmup) for m in METHODS}
         gb = {m: _gbps(array.nbytes, t) for m, t in {**ms, "memcpy": memcpy}.items()}
         records.append(

@@ -179,6 +179,7 @@ class BitmaskChannel:
         )
         self._next_liveness = 0.0
         self._acquired: np.ndarray | None = None  # the view acquire() handed out
+        self._validate = msgspec.msgpack.Decoder(BitmaskReady)
         self._shm_readers = False
 
     @property
@@ -302,27 +303,16 @@ class BitmaskChannel:
             raise ValueError(
                 f"expected int32 [rows, {self._width}], got {array.dtype} {list(array.shape)}"
             )
-        order = tuple(order)
-        drafts = tuple(int(d) for d in drafts)
-        if (
-            len(order) != len(drafts)
-            or not all(type(r) is str for r in order)
-            or min(drafts, default=0) < 0
-        ):
-            raise ValueError(
-                "order must be request-id strings aligned with non-negative draft counts"
-            )
-        self._pump(0)  # a Bye or a Release may be waiting
+        rows = array.shape[0]
+        order, drafts = tuple(order), tuple(drafts)
+        ready, drafts = self._announcement(step, rows, order, drafts)
         self._raise_if_gone(self._peers)
         acquired, self._acquired = self._acquired, None
-        view = self.acquire(array.shape[0], timeout)
+        view = self.acquire(rows, timeout)
         if array is not acquired:
             np.copyto(view, array)
-        rows = array.shape[0]
-        slot = self._ring.next_slot
-        ready = self._control.encode(BitmaskReady(step, slot, rows, order, drafts))
         # The announcement also goes into the slot, for readers polling it.
-        self._ring.publish(step, ready if self._shm_readers else b"")
+        slot = self._ring.publish(step, ready if self._shm_readers else b"")
         frame = b""
         try:
             for peer in self._peers.values():
@@ -387,6 +377,28 @@ class BitmaskChannel:
 
     # Internals ---------------------------------------------------------
 
+    def _announcement(
+        self, step: int, rows: int, order: tuple[str, ...], drafts: tuple[int, ...]
+    ) -> tuple[bytes, tuple[int, ...]]:
+        """Encode the step's BitmaskReady, checked by the decoder readers use.
+
+        Decoding it again costs less than checking every request id and
+        draft count in Python, and it checks exactly what readers will.
+        """
+        if len(order) != len(drafts):
+            raise ValueError(f"{len(order)} request ids but {len(drafts)} draft counts")
+        message = BitmaskReady(step, self._ring.next_slot, rows, order, drafts)
+        try:
+            ready = self._control.encode(message)
+        except TypeError:  # e.g. numpy integers as draft counts
+            message = msgspec.structs.replace(message, num_drafts=tuple(map(int, drafts)))
+            ready = self._control.encode(message)
+        try:
+            self._validate.decode(ready)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad step, request ids or draft counts: {exc}") from None
+        return ready, message.num_drafts
+
     def _raise_if_gone(self, names: object) -> None:
         for name in names:
             peer = self._peers.get(name)
@@ -398,7 +410,11 @@ class BitmaskChannel:
             raise TransportError("the channel is closed")
 
     def _on_wait(self, step: int, pause: float) -> None:
-        self._pump(pause)
+        if pause >= 1e-3:
+            self._pump(pause)  # zmq polls in whole milliseconds
+        else:
+            self._pump(0)
+            time.sleep(pause)
         now = time.monotonic()
         if now < self._next_liveness:
             return
