@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import secrets
 import time
@@ -143,7 +142,7 @@ class BitmaskChannel:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self._vocab_size = vocab_size
-        self._width = math.ceil(vocab_size / 32)
+        self._width = (vocab_size + 31) // 32
         self._host = local_hostname()
         self._peers: dict[str, _Peer] = {}
         self._closed = False
@@ -451,8 +450,14 @@ class BitmaskChannel:
 
     def _hello(self, sender: str, hello: Hello) -> None:
         known = self._peers.get(sender)
-        if known is not None and known.pid != hello.pid:
-            known.gone = f"restarted (pid {known.pid} -> {hello.pid})"
+        if known is not None:
+            # Never answered with a Bye: it would reach the reader that joined.
+            if known.pid != hello.pid:
+                known.gone = f"restarted (pid {known.pid} -> {hello.pid})"
+            elif (hello.version, hello.vocab_size) != (PROTOCOL_VERSION, self._vocab_size):
+                self._control.reject(f"second hello from {sender!r} does not match its first")
+            else:
+                self._welcome(sender, known.mode)
             return
         problem = None
         mode = choose_mode(self._config.kind, self._host, hello.hostname)
@@ -468,15 +473,17 @@ class BitmaskChannel:
             self._bye(sender, problem)
             raise HandshakeError(f"reader {sender!r} rejected: {problem}", peers=[sender])
         assert mode is not None
-        local = hello.hostname == self._host
-        self._peers[sender] = _Peer(sender, mode, hello.pid, local)
+        self._peers[sender] = _Peer(sender, mode, hello.pid, hello.hostname == self._host)
         self._shm_readers = self._shm_readers or mode == "shm"
-        index = self._names.index(sender)
-        welcome = Welcome(PROTOCOL_VERSION, self._vocab_size, index, mode)
-        self._control.send(sender, self._control.encode(welcome))
+        self._welcome(sender, mode)
         logger.debug(
             "reader %s (pid %s on %s) joined via %s", sender, hello.pid, hello.hostname, mode
         )
+
+    def _welcome(self, reader: str, mode: Literal["shm", "tcp"]) -> None:
+        index = self._names.index(reader)
+        welcome = Welcome(PROTOCOL_VERSION, self._vocab_size, index, mode)
+        self._control.send(reader, self._control.encode(welcome))
 
     def _bye(self, reader: str, reason: str) -> None:
         try:

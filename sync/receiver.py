@@ -13,6 +13,14 @@ On the writer's host the view is the ring slot itself; elsewhere it is the
 raw zmq frame, also without a copy. Either way it is valid until
 :meth:`~BitmaskReceiver.release`; after that the writer may reuse the slot.
 
+A reader on the writer's host learns of a step in one of two ways. It first
+polls the next slot's header for up to ``spin_us`` (the writer stores the
+announcement in the slot), which costs a busy core but wakes in
+microseconds; then it sleeps on the control socket until the zmq
+``BitmaskReady`` arrives. The writer always sends that message, so a reader
+that stopped polling is never stranded; announcements of steps already
+taken from the ring are recognised and skipped.
+
 Nothing a peer sends can crash the reader: frames that do not decode, that
 do not match the ring's slot header or that repeat an old step are counted
 in ``dropped`` and skipped. What stops a reader is the writer going away
@@ -43,6 +51,7 @@ from sync.errors import (
 )
 from sync.messages import (
     PROTOCOL_VERSION,
+    READER_NAME_PATTERN,
     BitmaskFrame,
     BitmaskReady,
     Bye,
@@ -52,6 +61,7 @@ from sync.messages import (
     Welcome,
     WriterMessage,
     reader_decoder,
+    valid_reader_name,
 )
 from sync.ring import POLLING_IS_SAFE, BitmaskRing
 
@@ -147,9 +157,18 @@ class BitmaskReceiver:
         HandshakeError
             If the writer turns this reader away (unknown name, version or
             vocabulary mismatch, shm across hosts).
+        TransportError
+            If the ring cannot be mapped (the writer is gone).
         TransportTimeout
             If the writer does not answer in time.
         """
+        if not valid_reader_name(name):
+            raise ValueError(f"reader name must match {READER_NAME_PATTERN}, got {name!r}")
+        if name not in handle.ring.readers:
+            raise HandshakeError(
+                f"reader {name!r} is not one of the writer's readers {list(handle.ring.readers)}",
+                peers=[name],
+            )
         host = hostname or local_hostname()
         mode = choose_mode(handle.kind, handle.hostname, host)
         endpoint = handle.ipc_endpoint if mode == "shm" else handle.tcp_endpoint
@@ -159,19 +178,23 @@ class BitmaskReceiver:
                 peers=[name],
             )
         timeout = handle.handshake_timeout_s if timeout is None else timeout
+        # Map the ring before saying hello: a reader that cannot read the
+        # slots never joins, and the writer's handshake names it.
+        ring = BitmaskRing.attach(handle.ring, name) if mode == "shm" else None
         client = ControlClient(endpoint, name=name)
         try:
             client.send(Hello(PROTOCOL_VERSION, vocab_size, name, host, os.getpid()))
             welcome = cls._await_welcome(client, name, endpoint, timeout)
             if welcome.mode != mode or welcome.vocab_size != vocab_size:
                 raise HandshakeError(
-                    f"reader {name!r}: writer answered mode {welcome.mode!r} / vocab {welcome.vocab_size}, "
-                    f"expected {mode!r} / {vocab_size}",
+                    f"reader {name!r}: writer answered mode {welcome.mode!r} / vocab "
+                    f"{welcome.vocab_size}, expected {mode!r} / {vocab_size}",
                     peers=[name],
                 )
-            ring = BitmaskRing.attach(handle.ring, name) if mode == "shm" else None
         except BaseException:
             client.close()
+            if ring is not None:
+                ring.close()
             raise
         spin = handle.spin_us if spin_us is None else spin_us
         return cls(handle, name, client, mode, ring, local=host == handle.hostname, spin_us=spin)

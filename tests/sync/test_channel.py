@@ -167,6 +167,38 @@ def test_protocol_version_mismatch_is_rejected(run_id):
         rogue.close()
 
 
+def test_writer_turns_away_strangers_without_stopping(run_id):
+    with make_channel(run_id) as channel:
+        stranger = ControlClient(channel.handle.ipc_endpoint, name="stranger")
+        stranger.send(Hello(1, VOCAB, "stranger", "h", os.getpid()))
+        with pytest.raises(TransportTimeout):
+            channel.accept(timeout=0.5)  # still waiting for tp1, not crashed
+        answer, _ = stranger.recv(5)
+        assert "unknown reader" in answer.reason
+        assert channel.dropped == 1
+        stranger.close()
+
+
+@pytest.mark.parametrize(
+    ("hello", "dropped"),
+    [
+        pytest.param(Hello(1, VOCAB, "tp1", "h", os.getpid()), 1, id="repeat-gets-welcome"),
+        pytest.param(Hello(1, VOCAB + 1, "tp1", "h", os.getpid()), 0, id="mismatch-dropped"),
+    ],
+)
+def test_a_second_hello_from_a_joined_reader_changes_nothing(pair, hello, dropped):
+    channel, reader = pair
+    roundtrip(channel, reader, 0)
+    reader._client.send(hello)
+    # The hello and any answer travel asynchronously: go on until both ends
+    # have seen them (a Bye to the joined reader would end this loop early).
+    for step in range(1, 200):
+        roundtrip(channel, reader, step)
+        if (channel.dropped, reader.dropped) == (1 - dropped, dropped):
+            break
+    assert (channel.dropped, reader.dropped) == (1 - dropped, dropped)
+
+
 def test_reader_without_writer_times_out_naming_the_writer(pair):
     channel, _ = pair
     handle = msgspec.structs.replace(channel.handle, ipc_endpoint=channel.handle.ipc_endpoint + "x")

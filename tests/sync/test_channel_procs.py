@@ -79,6 +79,12 @@ def test_readers_get_bit_identical_rows(peers, run_id, names, remote, kind, step
             ch.publish(step, *mask_for(step))
         ch.drain()
         results = peers.results(out, len(names))
+        for proc in peers.started:
+            proc.join(30)
+            assert proc.exitcode == 0
+        # Readers attach and close; only the creator unlinks.
+        assert shm_names(run_id) == [ch.handle.ring.name]
+    assert shm_names(run_id) == []
     want = expected_digests(range(steps))
     for name in names:
         _, outcome, got, dropped, mode = results[name]
