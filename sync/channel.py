@@ -19,7 +19,6 @@ steps behind, and then for at most ``timeout_s``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -31,22 +30,18 @@ import msgspec
 import numpy as np
 
 from sync.config import TransportConfig
-from sync.control import ControlServer, choose_mode, local_hostname, pid_alive
-from sync.errors import HandshakeError, PeerGone, TransportError, TransportTimeout, quote_names
+from sync.control import ControlServer, local_hostname
+from sync.errors import PeerGone, TransportError, TransportTimeout, quote_names
 from sync.messages import (
     PROTOCOL_VERSION,
     READER_NAME_PATTERN,
     BitmaskFrame,
     BitmaskReady,
-    Bye,
-    Hello,
-    ReaderMessage,
-    Release,
     Shutdown,
-    Welcome,
     valid_reader_name,
 )
 from sync.ring import BitmaskRing, RingHandle
+from sync.roster import Roster
 
 logger = logging.getLogger(__name__)
 
@@ -83,15 +78,6 @@ class ChannelHandle(msgspec.Struct, frozen=True, kw_only=True):
     handshake_timeout_s: float
     # Microseconds a local reader polls the ring before sleeping on zmq.
     spin_us: int
-
-
-@dataclasses.dataclass
-class _Peer:
-    name: str
-    mode: Literal["shm", "tcp"]
-    pid: int
-    local: bool
-    gone: str | None = None
 
 
 class BitmaskChannel:
@@ -144,7 +130,6 @@ class BitmaskChannel:
         self._vocab_size = vocab_size
         self._width = (vocab_size + 31) // 32
         self._host = local_hostname()
-        self._peers: dict[str, _Peer] = {}
         self._closed = False
         run_id = run_id or secrets.token_hex(4)
         self._ring = BitmaskRing.create(
@@ -162,6 +147,14 @@ class BitmaskChannel:
         except BaseException:
             self._ring.close()
             raise
+        self._roster = Roster(
+            self._names,
+            kind=self._config.kind,
+            hostname=self._host,
+            vocab_size=vocab_size,
+            control=self._control,
+            ring=self._ring,
+        )
         self._handle = ChannelHandle(
             version=PROTOCOL_VERSION,
             run_id=run_id,
@@ -179,7 +172,6 @@ class BitmaskChannel:
         self._next_liveness = 0.0
         self._acquired: np.ndarray | None = None  # the view acquire() handed out
         self._validate = msgspec.msgpack.Decoder(BitmaskReady)
-        self._shm_readers = False
 
     @property
     def handle(self) -> ChannelHandle:
@@ -199,7 +191,7 @@ class BitmaskChannel:
     @property
     def modes(self) -> dict[str, str]:
         """``{reader: "shm" | "tcp"}`` for every reader that said hello."""
-        return {name: peer.mode for name, peer in self._peers.items()}
+        return self._roster.modes
 
     @property
     def dropped(self) -> int:
@@ -229,12 +221,12 @@ class BitmaskChannel:
         """
         timeout = self._config.handshake_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while missing := [n for n in self._names if n not in self._peers]:
+        while missing := self._roster.missing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransportTimeout(
                     f"reader(s) {quote_names(missing)} never said hello within {timeout:g} s "
-                    f"(arrived: {quote_names(self._peers) or 'none'})",
+                    f"(arrived: {quote_names(self._roster.peers) or 'none'})",
                     peers=missing,
                 )
             self._pump(min(remaining, 0.1))
@@ -252,7 +244,7 @@ class BitmaskChannel:
             If a reader that holds the slot died or left.
         """
         self._check_open()
-        if len(self._peers) < len(self._names):
+        if self._roster.missing:
             self.accept()
         timeout = self._config.timeout_s if timeout is None else timeout
         self._acquired = self._ring.acquire_write(rows, timeout, self._on_wait)
@@ -305,16 +297,16 @@ class BitmaskChannel:
         rows = array.shape[0]
         order, drafts = tuple(order), tuple(drafts)
         ready, drafts = self._announcement(step, rows, order, drafts)
-        self._raise_if_gone(self._peers)
+        self._roster.raise_if_gone(self._roster.peers)
         acquired, self._acquired = self._acquired, None
         view = self.acquire(rows, timeout)
         if array is not acquired:
             np.copyto(view, array)
         # The announcement also goes into the slot, for readers polling it.
-        slot = self._ring.publish(step, ready if self._shm_readers else b"")
+        slot = self._ring.publish(step, ready if self._roster.has_shm_readers else b"")
         frame = b""
         try:
-            for peer in self._peers.values():
+            for peer in self._roster.peers.values():
                 if peer.mode == "shm":
                     self._control.send(peer.name, ready)
                 else:
@@ -326,7 +318,7 @@ class BitmaskChannel:
                     self._control.send(peer.name, frame, data=view)
         except PeerGone as exc:
             self._pump(0)  # its Bye, if it said one, tells why
-            self._raise_if_gone(exc.peers)
+            self._roster.raise_if_gone(exc.peers)
             raise
         self._acquired = None
         self._pump(0)
@@ -356,7 +348,7 @@ class BitmaskChannel:
         self._closed = True
         try:
             payload = self._control.encode(Shutdown(reason))
-            for peer in self._peers.values():
+            for peer in self._roster.peers.values():
                 if peer.gone is None:
                     try:
                         self._control.send(peer.name, payload)
@@ -398,12 +390,6 @@ class BitmaskChannel:
             raise ValueError(f"bad step, request ids or draft counts: {exc}") from None
         return ready, message.num_drafts
 
-    def _raise_if_gone(self, names: object) -> None:
-        for name in names:
-            peer = self._peers.get(name)
-            if peer is not None and peer.gone is not None:
-                raise PeerGone(f"reader {name!r} left: {peer.gone}", peers=[name])
-
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("the channel is closed")
@@ -419,77 +405,10 @@ class BitmaskChannel:
             return
         self._next_liveness = now + _LIVENESS_EVERY_S
         # Asked after the pump: a reader that released and then left is fine.
-        lagging = self._ring.lagging(step)
-        self._raise_if_gone(lagging)
-        for name in lagging:
-            peer = self._peers.get(name)
-            if peer is not None and peer.local and not pid_alive(peer.pid):
-                raise PeerGone(f"reader {name!r} (pid {peer.pid}) died", peers=[name])
+        self._roster.raise_if_dead(self._ring.lagging(step))
 
     def _pump(self, timeout: float) -> None:
         """Handle every queued reader message, waiting up to ``timeout`` for the first."""
         while (got := self._control.recv(timeout)) is not None:
-            self._handle_message(*got)
+            self._roster.handle(*got)
             timeout = 0
-
-    def _handle_message(self, sender: str, message: ReaderMessage) -> None:
-        if sender not in self._names:
-            self._control.reject(f"message from unknown reader {sender!r}")
-            if isinstance(message, Hello):
-                self._bye(sender, f"unknown reader; this channel serves {quote_names(self._names)}")
-            return
-        match message:
-            case Release(step=step):
-                self._ring.set_released(sender, step)
-            case Hello():
-                self._hello(sender, message)
-            case Bye(reason=reason):
-                logger.info("reader %s said bye: %s", sender, reason)
-                if sender in self._peers:
-                    self._peers[sender].gone = f"said bye ({reason})"
-
-    def _hello(self, sender: str, hello: Hello) -> None:
-        known = self._peers.get(sender)
-        if known is not None:
-            # Never answered with a Bye: it would reach the reader that joined.
-            if known.pid != hello.pid:
-                known.gone = f"restarted (pid {known.pid} -> {hello.pid})"
-            elif (hello.version, hello.vocab_size) != (PROTOCOL_VERSION, self._vocab_size):
-                self._control.reject(f"second hello from {sender!r} does not match its first")
-            else:
-                self._welcome(sender, known.mode)
-            return
-        problem = None
-        mode = choose_mode(self._config.kind, self._host, hello.hostname)
-        if hello.version != PROTOCOL_VERSION:
-            problem = f"protocol version {hello.version}, writer speaks {PROTOCOL_VERSION}"
-        elif hello.vocab_size != self._vocab_size:
-            problem = f"vocab_size {hello.vocab_size}, writer's masks are for {self._vocab_size}"
-        elif mode is None:
-            problem = (
-                f"transport 'shm' but the reader is on {hello.hostname!r}, writer on {self._host!r}"
-            )
-        if problem is not None:
-            self._bye(sender, problem)
-            raise HandshakeError(f"reader {sender!r} rejected: {problem}", peers=[sender])
-        assert mode is not None
-        self._peers[sender] = _Peer(sender, mode, hello.pid, hello.hostname == self._host)
-        self._shm_readers = self._shm_readers or mode == "shm"
-        self._welcome(sender, mode)
-        logger.debug(
-            "reader %s (pid %s on %s) joined via %s", sender, hello.pid, hello.hostname, mode
-        )
-
-    def _welcome(self, reader: str, mode: Literal["shm", "tcp"]) -> None:
-        index = self._names.index(reader)
-        welcome = Welcome(PROTOCOL_VERSION, self._vocab_size, index, mode)
-        self._control.send(reader, self._control.encode(welcome))
-
-    def _bye(self, reader: str, reason: str) -> None:
-        try:
-            self._control.send(
-                reader,
-                self._control.encode(Bye(PROTOCOL_VERSION, self._vocab_size, reader, reason)),
-            )
-        except TransportError as exc:
-            logger.debug("could not tell %s bye: %s", reader, exc)

@@ -113,6 +113,18 @@ def _layout(num_slots: int, num_readers: int, max_rows: int, width: int) -> tupl
     return data_start, stride, data_start + num_slots * stride
 
 
+def _identity(handle: RingHandle) -> list[int]:
+    """Header words 0-5: what a reader checks before trusting the layout."""
+    return [
+        _MAGIC,
+        _LAYOUT_VERSION,
+        handle.num_slots,
+        len(handle.readers),
+        handle.max_rows,
+        handle.width,
+    ]
+
+
 class BitmaskRing:
     """K slots of ``[max_rows, width]`` int32 in one shared-memory segment.
 
@@ -208,16 +220,7 @@ class BitmaskRing:
             size=size,
         )
         ring = cls(segment, handle, reader=None)
-        ring._head[:] = [
-            _MAGIC,
-            _LAYOUT_VERSION,
-            num_slots,
-            len(readers),
-            max_rows,
-            width,
-            os.getpid(),
-            0,
-        ]
+        ring._head[:] = [*_identity(handle), os.getpid(), 0]
         ring._released[:, 0] = -1
         ring._slots[:, _S_STEP] = -1
         return ring
@@ -241,18 +244,8 @@ class BitmaskRing:
             raise TransportError(
                 f"ring segment {handle.name} does not exist (writer gone?)"
             ) from exc
-        expected = [
-            _MAGIC,
-            _LAYOUT_VERSION,
-            handle.num_slots,
-            len(handle.readers),
-            handle.max_rows,
-            handle.width,
-        ]
-        if (
-            segment.size < handle.size
-            or np.ndarray((6,), np.int64, segment.buf).tolist() != expected
-        ):
+        found = np.ndarray((6,), np.int64, segment.buf).tolist()
+        if segment.size < handle.size or found != _identity(handle):
             segment.close()
             raise TransportError(f"ring segment {handle.name} does not match its handle")
         return cls(segment, handle, reader=handle.readers.index(reader))
