@@ -111,15 +111,29 @@ def test_slow_reader_times_out_the_writer_naming_it(peers, run_id):
     assert "'slow'" in str(info.value) and "'fast'" not in str(info.value)
 
 
-@pytest.mark.parametrize("kind", [pytest.param("auto", id="shm"), pytest.param("tcp", id="tcp")])
-def test_killed_reader_fails_the_writer_within_the_timeout(peers, run_id, kind):
-    timeout = 5.0
+@pytest.mark.parametrize(
+    ("kind", "host", "timeout", "error"),
+    [
+        # Local readers: the writer sees the dead pid long before the timeout.
+        pytest.param("auto", None, 5.0, PeerGone, id="shm"),
+        pytest.param("tcp", None, 5.0, PeerGone, id="tcp"),
+        # A reader on "another host": no pid to check, so the deadline (or
+        # zmq noticing the dropped connection) is what ends the wait.
+        pytest.param("auto", "far-node", 2.0, (PeerGone, TransportTimeout), id="remote"),
+    ],
+)
+def test_killed_reader_fails_the_writer_within_the_timeout(
+    peers, run_id, kind, host, timeout, error
+):
     with channel(["victim"], run_id, kind=kind, timeout_s=timeout) as ch:
         out = peers.queue()
-        victim = peers.start(reader_main, ch.handle, "victim", list(range(100)), out, die_after=3)
+        steps = list(range(100))
+        victim = peers.start(
+            reader_main, ch.handle, "victim", steps, out, hostname=host, die_after=3
+        )
         ch.accept()
-        with pytest.raises(PeerGone) as info:
-            for step in range(100):
+        with pytest.raises(error) as info:
+            for step in steps:
                 start = time.monotonic()
                 ch.publish(step, *mask_for(step))
         waited = time.monotonic() - start
