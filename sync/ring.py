@@ -162,6 +162,11 @@ class BitmaskRing:
         self._next = 0  # writer: publications so far; the next slot is _next % K
         self._last_step = -1
         self._pending: int | None = None  # writer: rows acquired, not yet published
+        # Writer: Python copies of what it wrote to each slot header, so the
+        # per-step path only stores to shared memory.
+        self._held = [-1] * k
+        self._gens = [0] * k
+        self._note_views = [memoryview(n.data).cast("B") for n in self._notes]
 
     @classmethod
     def create(
@@ -297,9 +302,9 @@ class BitmaskRing:
             raise ValueError(f"rows must be in [0, {self._handle.max_rows}], got {rows}")
         slot = self._next % self._handle.num_slots
         if self._pending is None:
-            held = int(self._slots[slot, _S_STEP])
-            self._wait(held, timeout, on_wait, f"slot {slot}")
-            self._slots[slot, _S_GEN] += 1  # odd: being written
+            self._wait(self._held[slot], timeout, on_wait, f"slot {slot}")
+            self._gens[slot] += 1
+            self._slots[slot, _S_GEN] = self._gens[slot]  # odd: being written
         # else: acquired again before publishing; the slot is already ours.
         self._pending = rows
         return self._data[slot][:rows]
@@ -334,12 +339,13 @@ class BitmaskRing:
         slot = self._next % self._handle.num_slots
         fits = len(note) <= self._handle.note_bytes
         if fits:
-            self._notes[slot][: len(note)] = np.frombuffer(note, np.uint8)
+            self._note_views[slot][: len(note)] = note
         self._slots[slot, _S_ROWS] = self._pending
         self._slots[slot, _S_NOTE] = len(note) if fits else -1
         # Order matters (see the module docstring): the step, then the generation.
-        self._slots[slot, _S_STEP] = step
-        self._slots[slot, _S_GEN] += 1  # even: published
+        self._slots[slot, _S_STEP] = self._held[slot] = step
+        self._gens[slot] += 1
+        self._slots[slot, _S_GEN] = self._gens[slot]  # even: published
         self._pending = None
         self._last_step = step
         self._next += 1
@@ -448,7 +454,9 @@ class BitmaskRing:
             return
         if self._reader is None:
             self._head[_H_CLOSED] = 1
-        del self._head, self._released, self._slots, self._notes, self._data
+        for view in self._note_views:
+            view.release()
+        del self._head, self._released, self._slots, self._notes, self._note_views, self._data
         self._segment.close()
         if self._segment.owner:
             self._segment.unlink()
