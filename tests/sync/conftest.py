@@ -22,6 +22,10 @@ def run_id() -> str:
     """
     rid = f"t{secrets.token_hex(5)}"
     yield rid
+    # A killed child's reaper removes its names a moment after the kill.
+    deadline = time.monotonic() + 5
+    while (shm_names(rid) or ipc_dirs(rid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     leaked = [("shm", n) for n in shm_names(rid)] + [("dir", d) for d in ipc_dirs(rid)]
     for kind, name in leaked:
         remove(kind, name)
@@ -74,8 +78,12 @@ class Peers:
 
 
 @pytest.fixture
-def peers():
-    """Spawn helper; every process it started is killed and joined afterwards."""
+def peers(run_id):
+    """Spawn helper; every process it started is killed and joined afterwards.
+
+    It depends on ``run_id`` so that the children are gone before the leak
+    check runs.
+    """
     helper = Peers()
     try:
         yield helper

@@ -80,3 +80,5 @@ def test_cleanup_removes_everything_owned(run_id):
     assert not os.path.exists(path)
     assert janitor.owned() == set()
     janitor.disown("dir", path)
+    janitor._reaper.stdin.close()  # this test's reaper: let it exit now
+    assert janitor._reaper.wait(30) == 0

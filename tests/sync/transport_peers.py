@@ -15,6 +15,7 @@ import random
 import signal
 import tempfile
 import time
+import traceback
 
 import numpy as np
 
@@ -129,7 +130,8 @@ def reader_main(
                 raise AssertionError(f"{name} received a step beyond {steps[-1]}")
         out.put((name, "ok", digests, rx.dropped, rx.mode))
     except BaseException as exc:
-        out.put((name, type(exc).__name__, f"{exc} (after {len(digests)} steps)", None, None))
+        detail = f"{exc} (after {len(digests)} steps)\n{traceback.format_exc()}"
+        out.put((name, type(exc).__name__, detail, None, None))
     finally:
         if rx is not None:
             rx.close()
