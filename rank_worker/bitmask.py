@@ -56,8 +56,15 @@ from rank_worker.grammar_state import GrammarState, live_rows, strip_padding
 #   thread pool (caller + 1 worker,
 #   chunks of 16 matchers)          1.00 1.77 0.96 1.70 1.13 1.27  median 1.20
 #
-# At batch 64 neither is reliably faster than one thread (0.94-1.49x both),
-# hence the threshold. BatchGrammarMatcher is kept: its C++ workers split the
+# On a quiet machine (load < 1, three runs) the order flips slightly:
+#
+#   BatchGrammarMatcher(2)          1.49 1.59 1.44                 median 1.49
+#   thread pool                     1.64 1.87 1.45                 median 1.64
+#
+# At batch 64 neither is reliably faster than one thread (0.94-1.65x both),
+# hence the threshold. BatchGrammarMatcher is kept because it degrades far
+# less when the other core is busy, which is the normal case in an engine
+# (scheduler, model runner and transport share the CPU with the fill): its C++ workers split the
 # batch without the GIL, while the pool's threads re-take the GIL around
 # every fill call and pay for futures and wake-ups, which hurts most when the
 # other core is busy. Below the threshold the same call runs on one thread;
