@@ -44,6 +44,7 @@ from sync.messages import (
     READER_NAME_PATTERN,
     BitmaskFrame,
     BitmaskReady,
+    ReadyDecoder,
     Shutdown,
     valid_reader_name,
 )
@@ -178,7 +179,7 @@ class BitmaskChannel:
         )
         self._next_liveness = 0.0
         self._acquired: np.ndarray | None = None  # the view acquire() handed out
-        self._validate = msgspec.msgpack.Decoder(BitmaskReady)
+        self._validate = ReadyDecoder()
 
     @property
     def handle(self) -> ChannelHandle:
@@ -381,7 +382,8 @@ class BitmaskChannel:
         """Encode the step's BitmaskReady, checked by the decoder readers use.
 
         Decoding it again costs less than checking every request id and
-        draft count in Python, and it checks exactly what readers will.
+        draft count in Python, and it checks exactly what readers will; an
+        unchanged batch is not decoded again (see ReadyDecoder).
         """
         if len(order) != len(drafts):
             raise ValueError(f"{len(order)} request ids but {len(drafts)} draft counts")

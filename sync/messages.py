@@ -35,6 +35,7 @@ __all__ = [
     "Bye",
     "Hello",
     "ReaderMessage",
+    "ReadyDecoder",
     "Release",
     "Shutdown",
     "Welcome",
@@ -155,6 +156,16 @@ class Shutdown(_Message, tag="shutdown"):
     reason: Text
 
 
+class _ReadyHead(_Message, tag="ready"):
+    # BitmaskReady with its two lists left encoded: the same wire form and
+    # the same checks on step, slot and rows (see ReadyDecoder).
+    step: Step
+    slot: Count
+    rows: Count
+    request_ids: msgspec.Raw
+    num_drafts: msgspec.Raw
+
+
 WriterMessage = Welcome | BitmaskReady | BitmaskFrame | Shutdown | Bye
 ReaderMessage = Hello | Release | Bye
 
@@ -170,6 +181,47 @@ def reader_decoder() -> msgspec.msgpack.Decoder:
         other input.
     """
     return msgspec.msgpack.Decoder(WriterMessage)
+
+
+class ReadyDecoder:
+    """Typed decoder for one :class:`BitmaskReady` after another.
+
+    Decodes exactly what ``msgspec.msgpack.Decoder(BitmaskReady)`` decodes
+    and raises what it raises, but decodes the request ids and draft counts
+    only when their bytes differ from the last ones that decoded.
+
+    NOTE: decoding 256 request ids costs ~30 us, an eighth of copying the
+    step's mask, and the batch rarely changes between two steps. The head
+    (step, slot, rows) is always decoded with its checks, the two lists are
+    kept as raw msgpack and compared with the last batch; equal bytes
+    decode to equal, already-checked values, so reusing them checks nothing
+    less.
+    """
+
+    def __init__(self) -> None:
+        self._head = msgspec.msgpack.Decoder(_ReadyHead)
+        self._full = msgspec.msgpack.Decoder(BitmaskReady)
+        # The last batch that decoded: its raw bytes and its values.
+        self._raw: tuple[msgspec.Raw, msgspec.Raw] | None = None
+        self._batch: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())
+
+    def decode(self, data: bytes | memoryview) -> BitmaskReady:
+        """Decode one encoded ``BitmaskReady``.
+
+        Raises
+        ------
+        msgspec.DecodeError
+            (or its subclass ``ValidationError``) on anything that is not a
+            valid ``BitmaskReady``.
+        """
+        head = self._head.decode(data)
+        if (head.request_ids, head.num_drafts) == self._raw:
+            return BitmaskReady(head.step, head.slot, head.rows, *self._batch)
+        message = self._full.decode(data)
+        # Copies: the raw views may point into a buffer the caller reuses.
+        self._raw = (head.request_ids.copy(), head.num_drafts.copy())
+        self._batch = (message.request_ids, message.num_drafts)
+        return message
 
 
 def writer_decoder() -> msgspec.msgpack.Decoder:

@@ -56,11 +56,11 @@ from sync.messages import (
     BitmaskReady,
     Bye,
     Hello,
+    ReadyDecoder,
     Release,
     Shutdown,
     Welcome,
     WriterMessage,
-    reader_decoder,
     valid_reader_name,
 )
 from sync.ring import POLLING_IS_SAFE, BitmaskRing
@@ -112,7 +112,7 @@ class BitmaskReceiver:
         self._spin_s = spin_us * 1e-6 if ring is not None and POLLING_IS_SAFE else 0.0
         self._next_slot = 0
         self._polled: set[int] = set()
-        self._notes = reader_decoder()
+        self._notes = ReadyDecoder()
 
     @classmethod
     def connect(
@@ -352,10 +352,7 @@ class BitmaskReceiver:
             os.sched_yield()  # on an oversubscribed host, let the writer run
         try:
             message = self._notes.decode(note)
-            if not isinstance(message, BitmaskReady) or (message.step, message.slot) != (
-                step,
-                slot,
-            ):
+            if (message.step, message.slot) != (step, slot):
                 return None
             view = self._shm_view(message)
         except (msgspec.DecodeError, ProtocolError):
