@@ -98,6 +98,8 @@ class CompileJob:
         # Set once a spare worker took this (stuck) job's place: its thread
         # exits when the compile returns.
         self.replaced = False
+        # Pending requests using this job; at zero the job is released.
+        self.users = 0
         # Measured with perf_counter, independent of the (injectable)
         # deadline clock.
         self.compile_ms = 0.0
@@ -183,11 +185,19 @@ class CompileService:
         return self._inflight.get(key)
 
     def submit(self, spec: GrammarSpec) -> tuple[CompileJob, bool]:
-        """Start (or join) the compile of ``spec``; returns (job, joined)."""
+        """Start (or join) the compile of ``spec``; returns (job, joined).
+
+        A job stays joinable until every request using it was decided, also
+        after it finished: a result waiting for its decision is reused, and
+        a failure is shared (its key is poisoned at that decision). Only a
+        job that never ran (saturated, aborted) is replaced by a new one.
+        """
         existing = self._inflight.get(spec.key)
-        if existing is not None and not existing.done.is_set():
+        if existing is not None and (existing.started_at is not None or not existing.done.is_set()):
+            existing.users += 1
             return existing, True
         job = CompileJob(spec, self._clock())
+        job.users = 1
         self._inflight[spec.key] = job
         self.num_compiles += 1
         if self.sync:
@@ -203,10 +213,12 @@ class CompileService:
         return job, False
 
     def _run(self, job: CompileJob) -> None:
-        if job.done.is_set():  # failed while queued
-            return
-        job.started_at = self._clock()
+        # One critical section: poll/close must never fail a job that a
+        # worker has already claimed.
         with self._lock:
+            if job.done.is_set():  # failed or released while queued
+                return
+            job.started_at = self._clock()
             self._running.add(job)
         t0 = time.perf_counter()
         try:
@@ -267,10 +279,21 @@ class CompileService:
                             "retry later",
                         )
 
-    def forget(self, job: CompileJob) -> None:
-        """Drop a finished job from the in-flight table (its key is decided)."""
-        if self._inflight.get(job.key) is job and (job.done.is_set()):
-            del self._inflight[job.key]
+    def release(self, job: CompileJob) -> None:
+        """One request no longer needs ``job``; the last one frees it.
+
+        A released job leaves the in-flight table; if it never started it is
+        failed (``aborted``) so no worker compiles it for nobody.
+        """
+        job.users -= 1
+        if job.users > 0:
+            return
+        with self._lock:
+            if job.started_at is None and not job.done.is_set():
+                job.error = (ErrorCode.aborted, "no request needs this compile any more")
+                job.done.set()
+            if self._inflight.get(job.key) is job:
+                del self._inflight[job.key]
 
     def wait(self, job: CompileJob, timeout_s: float) -> bool:
         """Block up to ``timeout_s`` for ``job`` to finish; True if it did."""

@@ -38,6 +38,7 @@ class ErrorCode(IntEnum):
     # Lifecycle.
     aborted = 40
     pending_window_full = 41
+    duplicate_request_id = 42
 
     @classmethod
     def name_of(cls, value: int) -> str:

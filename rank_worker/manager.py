@@ -159,9 +159,15 @@ class GrammarManager:
             raise ValueError(
                 f"sequence numbers must increase: got {seq} after {self._next_seq - 1}"
             )
-        if request_id in self._seq_of:
-            raise ValueError(f"request id {request_id!r} is already live")
         self._next_seq = seq + 1
+        if request_id in self._seq_of:
+            return Outcome(
+                request_id=request_id,
+                seq=seq,
+                status="failed",
+                code=ErrorCode.duplicate_request_id.name,
+                message=f"request id {request_id!r} is already live; ids must be unique",
+            )
         try:
             gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
         except SpecError as exc:
@@ -252,7 +258,10 @@ class GrammarManager:
 
     def step(self) -> list[Outcome]:
         """Single-rank admission: decide on local status and apply it."""
-        return self.apply_decision(self.decide_locally())
+        out = self.apply_decision(self.decide_locally())
+        # No peers to share new poison with.
+        self._new_failures.clear()
+        return out
 
     def apply_decision(self, decision: Decision, *, wait_s: float = 0.0) -> list[Outcome]:
         """Admit and fail requests exactly as decided, in sequence order.
@@ -268,6 +277,9 @@ class GrammarManager:
             with ``grammar_stage_timeout``.
         """
         deadline = time.monotonic() + wait_s
+        # Followers never call local_status, so deadlines and stuck-worker
+        # replacement must also advance here.
+        self.service.poll()
         self.agreed_ms = max(self.agreed_ms, decision.clock_ms)
         self.poison.expire(self.agreed_ms)
         failed = dict(decision.failed)
@@ -298,12 +310,13 @@ class GrammarManager:
                 msg = f"admitted upstream but not compiled here within {wait_s:g}s"
                 if job.error is not None:
                     code, msg = job.error
+                self.service.release(job)
                 self._seq_of.pop(entry.request_id, None)
                 self.stats["failed"] += 1
                 return self._outcome(entry, "failed", code=code.name, message=msg)
             entry.compiled = job.result
             entry.compile_ms = job.compile_ms
-            self.service.forget(job)
+            self.service.release(job)
         self.cache.put(entry.spec.key, entry.compiled)
         self._running[entry.request_id] = entry
         self.stats["admitted"] += 1
@@ -317,8 +330,7 @@ class GrammarManager:
             entry.compile_ms = job.compile_ms
             if job.error is not None and int(job.error[0]) == reason:
                 message = job.error[1]
-            if job.done.is_set():
-                self.service.forget(job)
+            self.service.release(job)
         hit = self.poison.get(entry.spec.key, self.agreed_ms)
         if hit is not None and hit.reason == reason:
             message = f"poisoned key: {hit.message}"
@@ -350,7 +362,11 @@ class GrammarManager:
         seq = self._seq_of.pop(request_id, None)
         if seq is None:
             return False
-        if self._pending.pop(seq, None) is None and self._running.pop(request_id, None) is None:
+        entry = self._pending.pop(seq, None)
+        if entry is not None:
+            if entry.job is not None:
+                self.service.release(entry.job)
+        elif self._running.pop(request_id, None) is None:
             self._waiting = deque(e for e in self._waiting if e.seq != seq)
         self._fill_window()
         return True

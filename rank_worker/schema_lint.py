@@ -88,7 +88,7 @@ def _resolve_pointer(root: Any, ref: str) -> bool:
         part = unquote(raw).replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
             return False
@@ -97,7 +97,9 @@ def _resolve_pointer(root: Any, ref: str) -> bool:
 
 def _lint_node(node: dict, path: str, findings: SchemaFindings, root: Any) -> None:
     types = node.get("type")
-    type_set = set(types) if isinstance(types, list) else {types}
+    # Only string type names count; anything else is malformed and left to
+    # the compiler to reject.
+    type_set = {t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)}
     if "multipleOf" in node and type_set != {"integer"}:
         findings.ignored.append((path, "multipleOf is only enforced for type 'integer'"))
     if node.get("uniqueItems") is True:

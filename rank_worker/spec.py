@@ -120,12 +120,18 @@ def _as_spec(raw: Any) -> StructuredOutputSpec:
         raise SpecError(ErrorCode.spec_bad_json, f"structured_outputs is not JSON: {exc}") from exc
 
 
-def _load_json_value(value: Any, field: str) -> Any:
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load_json_value(value: Any, field: str, config: GrammarConfig) -> Any:
     if isinstance(value, str):
         if not value.strip():
             raise SpecError(ErrorCode.spec_blank, f"{field} is blank; pass a JSON value")
+        # Cheap size check before any parsing: a huge text is never walked.
+        _check_size(value, config, field)
         try:
-            return json.loads(value)
+            return json.loads(value, parse_constant=_reject_constant)
         except RecursionError as exc:
             raise SpecError(
                 ErrorCode.spec_too_deep, f"{field} nests deeper than {MAX_DEPTH}"
@@ -145,7 +151,7 @@ def _check_size(text: str, config: GrammarConfig, field: str) -> None:
 
 
 def _json_schema(value: Any, config: GrammarConfig) -> tuple[str, list[str]]:
-    schema = _load_json_value(value, "json")
+    schema = _load_json_value(value, "json", config)
     if schema is True or schema == {}:
         schema = {}
     elif schema is False:
@@ -222,7 +228,7 @@ def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig
         _check_size(text, config, "choice")
         return "choice", text, warnings
     if field == "structural_tag":
-        tag = _load_json_value(spec.structural_tag, "structural_tag")
+        tag = _load_json_value(spec.structural_tag, "structural_tag", config)
         if not isinstance(tag, dict) or not tag:
             raise SpecError(ErrorCode.spec_blank, "structural_tag must be a non-empty JSON object")
         _, found = walk_schema(tag, max_depth=MAX_DEPTH_STRUCTURAL_TAG)
@@ -232,7 +238,9 @@ def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig
                 f"structural_tag nests {found.max_depth} levels; "
                 f"the limit is {MAX_DEPTH_STRUCTURAL_TAG}",
             )
-        text = json.dumps(tag, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        # NOTE: key order is kept, not sorted: a structural tag embeds JSON
+        # schemas whose `properties` order is the order xgrammar emits.
+        text = _canonical_json(tag)
         _check_size(text, config, "structural_tag")
         return "structural_tag", text, warnings
     text = spec.regex if field == "regex" else spec.grammar
@@ -293,6 +301,12 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
         kind, text, warnings = _kind_and_text(spec, field, config)
     except RecursionError as exc:
         raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        # Backstop: malformed values inside a spec (NaN, non-string keys,
+        # odd types) are the spec's fault, never the rank's.
+        raise SpecError(ErrorCode.spec_bad_json, f"malformed spec: {exc}") from exc
     any_ws = config.any_whitespace
     if spec.disable_any_whitespace is not None:
         any_ws = not spec.disable_any_whitespace

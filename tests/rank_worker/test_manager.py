@@ -103,7 +103,10 @@ def test_invalid_compile_poisons_permanently(tiny_tokenizer):
     m, _, _ = make(tiny_tokenizer)
     bad = {"grammar": "root ::= undefined_rule"}
     m.add("r1", bad)
-    [failed] = drain(m)
+    failed = []
+    while not failed:  # the multi-rank path keeps records for DP peers
+        failed = m.apply_decision(m.decide_locally())
+    [failed] = failed
     assert failed.status == "failed" and failed.code == "grammar_invalid"
     [rec] = m.new_failures()
     assert rec.reason == ErrorCode.grammar_invalid
@@ -276,3 +279,66 @@ def test_real_vocab_special_tokens_never_allowed(qwen_tokenizer):
     matcher.fill_next_token_bitmask(mask)
     im_start = qwen_tokenizer.special_ids["<|im_start|>"]
     assert not (mask[0, im_start // 32] >> (im_start % 32)) & 1
+
+
+def test_single_rank_step_keeps_no_poison_records(tiny_tokenizer):
+    m, _, _ = make(tiny_tokenizer)
+    m.add("r1", {"grammar": "root ::= nowhere"})
+    assert drain(m)[0].code == "grammar_invalid"
+    assert m.new_failures() == []
+
+
+def test_duplicate_live_id_fails_only_that_request(tiny_tokenizer):
+    m, _, _ = make(tiny_tokenizer, compile_mode="sync")
+    assert m.add("same", {"regex": "a"}).status == "pending"
+    dup = m.add("same", {"regex": "b"})
+    assert (dup.status, dup.code) == ("failed", "duplicate_request_id")
+    assert [o.status for o in m.step()] == ["admitted"]
+
+
+def test_finished_job_is_joined_until_decided(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    backend.gate.set()
+    m, _, _ = make(tiny_tokenizer, backend)
+    m.add("a", SCHEMA_A)
+    job = m._pending[0].job
+    assert job.done.wait(10)
+    # Compiled, but no decision yet: a new request joins, it does not recompile.
+    assert m.add("b", SCHEMA_A).cache == "joined"
+    assert backend.calls == 1
+    assert [o.status for o in drain(m)] == ["admitted", "admitted"]
+    assert m.service.inflight(job.key) is None  # released once decided
+
+
+def test_abort_releases_the_job(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, _, _ = make(tiny_tokenizer, backend, num_compile_workers=1)
+    m.add("running", SCHEMA_A)
+    assert backend.started.acquire(timeout=10)
+    m.add("queued", SCHEMA_B)
+    queued_job = m._pending[1].job
+    assert m.abort("queued") and m.abort("running")
+    assert m.service.inflight(queued_job.key) is None
+    # The queued job is never compiled for nobody.
+    assert queued_job.done.is_set() and queued_job.error[0] is ErrorCode.aborted
+    backend.gate.set()
+    m.add("again", {"regex": "z"})
+    drain(m)
+    assert backend.calls == 2  # "running" and "again", never "queued"
+
+
+def test_follower_decisions_enforce_deadlines(tiny_tokenizer):
+    backend = GatedBackend(tiny_tokenizer)
+    m, clock, _ = make(tiny_tokenizer, backend, compile_timeout_s=5, num_compile_workers=1)
+    m.add("slow", SCHEMA_A)
+    assert backend.started.acquire(timeout=10)
+    m.add("next", {"regex": "q"})
+    clock.t += 6
+    # A later stage only applies decisions (it never asks local_status):
+    # stage 0 failed "slow"; "next" must still get a worker and compile.
+    out = m.apply_decision(Decision(step=1, failed=((0, 21),), clock_ms=1), wait_s=0)
+    assert out[0].code == "grammar_timeout"
+    assert backend.started.acquire(timeout=10)  # a spare worker took "next"
+    backend.gate.set()
+    [admitted] = m.apply_decision(Decision(step=2, ready=(1,), clock_ms=2), wait_s=10)
+    assert admitted.status == "admitted"

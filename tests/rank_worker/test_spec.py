@@ -72,6 +72,14 @@ def _nested(depth: int) -> dict:
         pytest.param({"jsn": {}}, ErrorCode.spec_bad_type, id="unknown-field"),
         pytest.param("not json", ErrorCode.spec_bad_json, id="spec-text-not-json"),
         pytest.param([1, 2], ErrorCode.spec_bad_type, id="spec-not-object"),
+        pytest.param({"json": '{"const": NaN}'}, ErrorCode.spec_bad_json, id="nan-text"),
+        pytest.param({"json": {"const": float("inf")}}, ErrorCode.spec_bad_json, id="inf-value"),
+        pytest.param({"json": '{"a": 1e999}'}, ErrorCode.spec_bad_json, id="overflow"),
+        pytest.param(
+            {"json": {"allOf": [{}], "properties": {"a": {"$ref": "#/allOf/\u00b2"}}}},
+            ErrorCode.spec_bad_json,
+            id="unicode-digit-ref",
+        ),
     ],
 )
 def test_rejections(spec, code):
@@ -253,3 +261,34 @@ def test_fuzzed_specs_only_raise_spec_error(spec):
         "json_object",
         "structural_tag",
     )
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        pytest.param({"type": [{}]}, id="type-list-of-object"),
+        pytest.param({"type": {"a": 1}}, id="type-object"),
+    ],
+)
+def test_malformed_type_is_left_to_the_compiler(schema):
+    # Not a crash at validation: the compiler rejects it as grammar_invalid.
+    assert validate_spec({"json": schema}, CFG).kind == "json"
+
+
+def test_structural_tag_keeps_property_order():
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "json_schema",
+            "json_schema": {"type": "object", "properties": {"name": {}, "arguments": {}}},
+        },
+    }
+    text = validate_spec({"structural_tag": tag}, CFG).text
+    assert text.index('"name"') < text.index('"arguments"')
+
+
+def test_size_checked_before_parsing():
+    huge = "[" + "1," * (1 << 20) + "1]"
+    with pytest.raises(SpecError) as info:
+        validate_spec({"json": huge}, CFG)
+    assert info.value.code is ErrorCode.spec_too_large
