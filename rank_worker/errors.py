@@ -39,6 +39,7 @@ class ErrorCode(IntEnum):
     aborted = 40
     pending_window_full = 41
     duplicate_request_id = 42
+    bad_request_id = 43
 
     @classmethod
     def name_of(cls, value: int) -> str:

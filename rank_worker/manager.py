@@ -36,6 +36,7 @@ from rank_worker.config import GrammarConfig
 from rank_worker.errors import ErrorCode, SpecError
 from rank_worker.spec import GrammarSpec, validate_spec
 from rank_worker.tokenizer import Tokenizer
+from sync.messages import MAX_REQUEST_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,14 @@ class GrammarManager:
                 f"sequence numbers must increase: got {seq} after {self._next_seq - 1}"
             )
         self._next_seq = seq + 1
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            return Outcome(
+                request_id=str(request_id)[:64],
+                seq=seq,
+                status="failed",
+                code=ErrorCode.bad_request_id.name,
+                message=f"request ids must be 1..{MAX_REQUEST_ID_CHARS} characters of text",
+            )
         if request_id in self._seq_of:
             return Outcome(
                 request_id=request_id,

@@ -58,7 +58,12 @@ Count = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 Version = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 VocabSize = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 Text = Annotated[str, Meta(max_length=4096)]
-RequestIds = Annotated[tuple[Annotated[str, Meta(max_length=1024)], ...], Meta(max_length=1 << 20)]
+# Longest request id the wire accepts; admission rejects longer ones so a
+# single request can never break a whole batch's publish.
+MAX_REQUEST_ID_CHARS = 1024
+RequestIds = Annotated[
+    tuple[Annotated[str, Meta(max_length=MAX_REQUEST_ID_CHARS)], ...], Meta(max_length=1 << 20)
+]
 DraftCounts = Annotated[tuple[Count, ...], Meta(max_length=1 << 20)]
 
 

@@ -342,3 +342,18 @@ def test_follower_decisions_enforce_deadlines(tiny_tokenizer):
     backend.gate.set()
     [admitted] = m.apply_decision(Decision(step=2, ready=(1,), clock_ms=2), wait_s=10)
     assert admitted.status == "admitted"
+
+
+@pytest.mark.parametrize(
+    "rid",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("x" * 1025, id="too-long"),
+        pytest.param(7, id="not-text"),
+    ],
+)
+def test_bad_request_id_fails_only_that_request(tiny_tokenizer, rid):
+    m, _, _ = make(tiny_tokenizer, compile_mode="sync")
+    out = m.add(rid, {"regex": "a"})
+    assert (out.status, out.code) == ("failed", "bad_request_id")
+    assert m.add("fine", {"regex": "a"}).status == "pending"
