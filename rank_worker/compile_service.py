@@ -87,11 +87,9 @@ class XGrammarBackend:
 class CompileJob:
     """One compile of one key; requests that share the key join it."""
 
-    def __init__(self, spec: GrammarSpec, submitted_at: float) -> None:
+    def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
-        self.submitted_at = submitted_at
         self.started_at: float | None = None
-        self.finished_at: float | None = None
         self.result: Any = None
         # (ErrorCode, message) once the job failed.
         self.error: tuple[ErrorCode, str] | None = None
@@ -196,7 +194,7 @@ class CompileService:
         if existing is not None and (existing.started_at is not None or not existing.done.is_set()):
             existing.users += 1
             return existing, True
-        job = CompileJob(spec, self._clock())
+        job = CompileJob(spec)
         job.users = 1
         self._inflight[spec.key] = job
         self.num_compiles += 1
@@ -227,7 +225,6 @@ class CompileService:
         except Exception as exc:  # any compile failure is the spec's fault
             result, error = None, (ErrorCode.grammar_invalid, f"{type(exc).__name__}: {exc}")
         job.compile_ms = (time.perf_counter() - t0) * 1e3
-        job.finished_at = self._clock()
         with self._lock:
             self._running.discard(job)
             if job.done.is_set():  # timed out meanwhile: the late result is dropped

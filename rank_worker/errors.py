@@ -37,7 +37,7 @@ class ErrorCode(IntEnum):
     token_rejected = 32
     # Lifecycle.
     aborted = 40
-    pending_window_full = 41
+    # 41 is retired (overflowing the pending window waits, it never fails).
     duplicate_request_id = 42
     bad_request_id = 43
 

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -70,7 +70,6 @@ class _Entry:
     job: CompileJob | None = None
     warnings: tuple[str, ...] = ()
     compile_ms: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def _wall_ms() -> int:
