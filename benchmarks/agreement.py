@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from launch.bench import BenchRecord, median_ms  # noqa: E402
+from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
 
 CHILD_TIMEOUT_S = 600
 
@@ -77,7 +77,7 @@ class _StaticMember:
 
 
 def _status(pending: int):
-    from coordinator.status import LocalStatus, PendingState
+    from gramcoord.coordinator.status import LocalStatus, PendingState
 
     states = [
         (PendingState.READY, PendingState.READY, PendingState.PENDING, PendingState.FAILED)[i % 4]
@@ -93,7 +93,7 @@ def _sglang_step(status, group, chain_group, chain_peer, is_sender, world):
     """SGLang-style: pickled index sets gathered, then pickled objects down the chain."""
     import torch.distributed as dist
 
-    from coordinator.status import PendingState
+    from gramcoord.coordinator.status import PendingState
 
     ready = {i for i, s in enumerate(status.states) if s == PendingState.READY}
     failed = {i for i, s in enumerate(status.states) if s == PendingState.FAILED}
@@ -135,10 +135,10 @@ def _layout_rows(rank, world, args, dp, pp):
     """Our step (gather, and reduce when pp=1) vs the SGLang-style step, dp x pp replicated."""
     import torch.distributed as dist
 
-    from coordinator.config import DistributedConfig
-    from coordinator.coordinator import Coordinator
-    from coordinator.layout import ParallelLayout
-    from coordinator.runtime import Runtime
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.coordinator import Coordinator
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.runtime import Runtime
 
     layout = ParallelLayout(dp=dp, pp=pp, tp=1, requests="replicated")
     timeout = datetime.timedelta(seconds=60)
@@ -192,7 +192,7 @@ def _layout_rows(rank, world, args, dp, pp):
 def _hop_fns(rank, chain, decision, pg, ack, ping):
     import torch.distributed as dist
 
-    from coordinator.status import Decision
+    from gramcoord.coordinator.status import Decision
 
     counter = iter(range(1, 10**9))
     if rank == 0:
@@ -223,11 +223,11 @@ def _hop_rows(rank, args):
     """pp=2: decision hop + ack vs 1-element ping + ack, over the same gloo group."""
     import torch
 
-    from coordinator.config import DistributedConfig
-    from coordinator.layout import ParallelLayout
-    from coordinator.pipeline import Chain
-    from coordinator.runtime import Runtime
-    from coordinator.status import Decision
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.pipeline import Chain
+    from gramcoord.coordinator.runtime import Runtime
+    from gramcoord.coordinator.status import Decision
 
     layout = ParallelLayout(dp=1, pp=2, tp=1)
     rows = []
@@ -272,10 +272,10 @@ def _pp_sync_rows(rank, world, args):
     """dp=1 pp=world: chain vs collective pp_sync, each step closed by the last stage's ack."""
     import torch
 
-    from coordinator.config import DistributedConfig
-    from coordinator.coordinator import Coordinator
-    from coordinator.layout import ParallelLayout
-    from coordinator.runtime import Runtime
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.coordinator import Coordinator
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.runtime import Runtime
 
     runtimes = {}
     for mode in ("chain", "collective"):
@@ -429,6 +429,6 @@ if __name__ == "__main__":
     if opts.child:
         _child(opts)
     else:
-        from launch.bench import format_table
+        from gramcoord.launch.bench import format_table
 
         print(format_table(run(sys.argv[1:])))

@@ -32,12 +32,12 @@ from pathlib import Path
 
 import xgrammar as xgr
 
-from launch.bench import BenchRecord, median_ms
-from rank_worker.compile_service import XGrammarBackend
-from rank_worker.config import GrammarConfig
-from rank_worker.manager import GrammarManager
-from rank_worker.spec import validate_spec
-from rank_worker.tokenizer import load_tokenizer
+from gramcoord.launch.bench import BenchRecord, median_ms
+from gramcoord.rank_worker.compile_service import XGrammarBackend
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.manager import GrammarManager
+from gramcoord.rank_worker.spec import validate_spec
+from gramcoord.rank_worker.tokenizer import load_tokenizer
 
 _counter = itertools.count()
 

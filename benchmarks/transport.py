@@ -52,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # when run as a script (the receiver side)
     sys.path.insert(0, str(ROOT))
 
-from launch.bench import BenchRecord, median_ms  # noqa: E402
-from sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig  # noqa: E402
+from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
+from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig  # noqa: E402
 
 WIDTH = 4748  # ceil(151936 / 32)
 VOCAB = WIDTH * 32

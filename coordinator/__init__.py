@@ -4,17 +4,22 @@ The coordinator sees only sequence numbers, states, integer reason codes and
 16-byte keys; ``rank_worker`` owns what they mean.
 """
 
-from coordinator.agreement import Agreement
-from coordinator.config import DistributedConfig, ParallelConfig
-from coordinator.coordinator import Coordinator, Member, StepResult, wall_clock_ms
-from coordinator.errors import CoordinatorError, DivergenceError, LayoutError, PeerLostError
-from coordinator.external import FORCED_COMPILE_MODE, ExternalWorld, attach_external
-from coordinator.layout import Coords, ParallelLayout
-from coordinator.pipeline import Chain, DecisionCodec
-from coordinator.poison_share import PoisonShare, pack_records, unpack_records
-from coordinator.report import GatherCodec, ReduceCodec, fingerprint
-from coordinator.runtime import Comm, Runtime
-from coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+from gramcoord.coordinator.agreement import Agreement
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.coordinator.coordinator import Coordinator, Member, StepResult, wall_clock_ms
+from gramcoord.coordinator.errors import (
+    CoordinatorError,
+    DivergenceError,
+    LayoutError,
+    PeerLostError,
+)
+from gramcoord.coordinator.external import FORCED_COMPILE_MODE, ExternalWorld, attach_external
+from gramcoord.coordinator.layout import Coords, ParallelLayout
+from gramcoord.coordinator.pipeline import Chain, DecisionCodec
+from gramcoord.coordinator.poison_share import PoisonShare, pack_records, unpack_records
+from gramcoord.coordinator.report import GatherCodec, ReduceCodec, fingerprint
+from gramcoord.coordinator.runtime import Comm, Runtime
+from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
 
 __all__ = [
     "FORCED_COMPILE_MODE",

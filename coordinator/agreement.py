@@ -1,7 +1,7 @@
 """One step's readiness agreement inside one agreement group.
 
 Every member reports its pending window as one fixed-shape int64 row
-(``coordinator.report``). One collective combines the rows: a request is
+(``gramcoord.coordinator.report``). One collective combines the rows: a request is
 admitted when it is ready on every member, and failed when it failed on any
 member (failed wins). Every member computes the same ``Decision`` from the
 same combined data, so decisions are identical without a second round.
@@ -24,9 +24,9 @@ from typing import Literal
 
 import numpy as np
 
-from coordinator.errors import CoordinatorError, DivergenceError
-from coordinator.report import CODECS, Verdict, Window, fingerprint, window_of
-from coordinator.status import Decision, LocalStatus, PendingState
+from gramcoord.coordinator.errors import CoordinatorError, DivergenceError
+from gramcoord.coordinator.report import CODECS, Verdict, Window, fingerprint, window_of
+from gramcoord.coordinator.status import Decision, LocalStatus, PendingState
 
 _PENDING, _READY, _FAILED = (int(s) for s in PendingState)
 

@@ -1,7 +1,7 @@
 """One stage leader's per-step coordination: poison exchange, agreement, chain.
 
 A ``Coordinator`` drives a ``Member`` -- in production the rank's
-``GrammarManager`` behind ``rank_worker.admission`` -- through one step:
+``GrammarManager`` behind ``gramcoord.rank_worker.admission`` -- through one step:
 
 decider (stage 0, or every stage leader with ``pp_sync: collective``)
     1. share new failures across DP leaders; apply the union (poison);
@@ -25,14 +25,14 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from coordinator.agreement import Agreement
-from coordinator.config import DistributedConfig
-from coordinator.errors import LayoutError
-from coordinator.layout import ParallelLayout
-from coordinator.pipeline import Chain
-from coordinator.poison_share import PoisonShare
-from coordinator.runtime import Comm
-from coordinator.status import Decision, LocalStatus, PoisonRecord
+from gramcoord.coordinator.agreement import Agreement
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.errors import LayoutError
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.pipeline import Chain
+from gramcoord.coordinator.poison_share import PoisonShare
+from gramcoord.coordinator.runtime import Comm
+from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Literal
 import msgspec
 import torch.distributed as dist
 
-from coordinator.config import DistributedConfig, ParallelConfig
-from coordinator.errors import CoordinatorError
-from coordinator.layout import ParallelLayout
-from coordinator.runtime import Runtime
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.coordinator.errors import CoordinatorError
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 

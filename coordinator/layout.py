@@ -15,8 +15,8 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from coordinator.config import ParallelConfig
-from coordinator.errors import LayoutError
+from gramcoord.coordinator.config import ParallelConfig
+from gramcoord.coordinator.errors import LayoutError
 
 Requests = Literal["partitioned", "replicated"]
 PpSync = Literal["chain", "collective"]

@@ -16,7 +16,7 @@ Only the used words are sent: the receiver posts the full-size buffer and
 reads the counts from the header (gloo accepts a message shorter than the
 posted buffer), so an empty decision costs as much as a 6-word ping.
 
-The poison records shared this step (``coordinator.poison_share``) follow
+The poison records shared this step (``gramcoord.coordinator.poison_share``) follow
 in a second message only when there are any, so later stages poison the
 same keys as stage 0. Sends are asynchronous; the runtime drains the
 earlier send before each new one. A gloo send completes once the receiver
@@ -31,10 +31,10 @@ import logging
 
 import numpy as np
 
-from coordinator.errors import DivergenceError
-from coordinator.poison_share import RECORD_WORDS, pack_records, unpack_records
-from coordinator.runtime import Comm
-from coordinator.status import Decision, PoisonRecord
+from gramcoord.coordinator.errors import DivergenceError
+from gramcoord.coordinator.poison_share import RECORD_WORDS, pack_records, unpack_records
+from gramcoord.coordinator.runtime import Comm
+from gramcoord.coordinator.status import Decision, PoisonRecord
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from coordinator.status import PoisonRecord
+from gramcoord.coordinator.status import PoisonRecord
 
 logger = logging.getLogger(__name__)
 

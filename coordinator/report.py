@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from coordinator.status import LocalStatus, PendingState
+from gramcoord.coordinator.status import LocalStatus, PendingState
 
 MAGIC_GATHER = 0x67636F6F72640001
 MAGIC_REDUCE = 0x67636F6F72640101

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coordinator.config import DistributedConfig
-from coordinator.errors import CoordinatorError, PeerLostError
-from coordinator.layout import ParallelLayout
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.errors import CoordinatorError, PeerLostError
+from gramcoord.coordinator.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

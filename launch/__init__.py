@@ -1,8 +1,8 @@
 """Command line, cluster configs, workloads and the benchmark contract."""
 
-from launch.bench import BenchRecord, median_ms, run_bench
-from launch.config import ClusterConfig, ConfigError, load_config
-from launch.workload import WorkloadRecord, read_workload
+from gramcoord.launch.bench import BenchRecord, median_ms, run_bench
+from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
+from gramcoord.launch.workload import WorkloadRecord, read_workload
 
 __all__ = [
     "BenchRecord",

@@ -24,10 +24,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from launch.config import ClusterConfig
-from launch.workload import WorkloadRecord, read_workload
-from rank_worker.manager import GrammarManager, Outcome
-from rank_worker.tokenizer import load_tokenizer
+from gramcoord.launch.config import ClusterConfig
+from gramcoord.launch.workload import WorkloadRecord, read_workload
+from gramcoord.rank_worker.manager import GrammarManager, Outcome
+from gramcoord.rank_worker.tokenizer import load_tokenizer
 
 _STATUS = {"grammar_timeout": "timeout", "grammar_pool_saturated": "saturated"}
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from launch.config import ConfigError, load_config
+from gramcoord.launch.config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "check":
-        from launch.check import main_check
+        from gramcoord.launch.check import main_check
 
         try:
             config = load_config(args.config, args.overrides)
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return main_check(config, workload, args.out)
     if args.command == "bench":
-        from launch.bench import run_bench
+        from gramcoord.launch.bench import run_bench
 
         run_bench(args.name, [a for a in extra if a != "--"], Path(args.out))
         return 0

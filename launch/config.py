@@ -1,7 +1,7 @@
 """The cluster config: YAML decoded into typed, frozen sections.
 
-Each package owns its section (``rank_worker.config``, ``coordinator.config``,
-``sync.config``); this module composes them. A bad field is reported with
+Each package owns its section (``gramcoord.rank_worker.config``, ``gramcoord.coordinator.config``,
+``gramcoord.sync.config``); this module composes them. A bad field is reported with
 its path (``$.grammar.compile_timeout_s``) before any process starts.
 """
 
@@ -13,9 +13,9 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
-from coordinator.config import DistributedConfig, ParallelConfig
-from rank_worker.config import GrammarConfig, SpeculativeConfig, TokenizerConfig
-from sync.config import TransportConfig
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.rank_worker.config import GrammarConfig, SpeculativeConfig, TokenizerConfig
+from gramcoord.sync.config import TransportConfig
 
 
 class ConfigError(ValueError):

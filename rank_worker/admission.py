@@ -26,12 +26,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from coordinator.config import DistributedConfig
-from coordinator.coordinator import Coordinator
-from coordinator.layout import ParallelLayout
-from coordinator.runtime import Comm
-from coordinator.status import Decision, LocalStatus, PoisonRecord
-from rank_worker.manager import GrammarManager, Outcome
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.coordinator import Coordinator
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.runtime import Comm
+from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord
+from gramcoord.rank_worker.manager import GrammarManager, Outcome
 
 logger = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ from typing import NamedTuple
 import numpy as np
 import xgrammar as xgr
 
-from rank_worker.errors import ErrorCode, GrammarError
-from rank_worker.gate import Phase
-from rank_worker.grammar_state import GrammarState, live_rows, strip_padding
+from gramcoord.rank_worker.errors import ErrorCode, GrammarError
+from gramcoord.rank_worker.gate import Phase
+from gramcoord.rank_worker.grammar_state import GrammarState, live_rows, strip_padding
 
 # Parallel fill (K == 0 only). Measured with ``benchmarks/fill.py`` on the
 # 2-core dev VM (shared with other jobs: figures swing by +-30% between runs),

@@ -40,11 +40,11 @@ from typing import Any
 
 import xgrammar as xgr
 
-from coordinator.status import PendingState
-from rank_worker.config import GrammarConfig
-from rank_worker.errors import ErrorCode
-from rank_worker.spec import GrammarSpec
-from rank_worker.tokenizer import Tokenizer
+from gramcoord.coordinator.status import PendingState
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.spec import GrammarSpec
+from gramcoord.rank_worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

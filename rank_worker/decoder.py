@@ -24,13 +24,13 @@ from typing import Literal, NamedTuple, Protocol
 
 import torch
 
-from rank_worker.bitmask import BitmaskBuilder, trim_drafts
-from rank_worker.drafter import Drafter
-from rank_worker.errors import GrammarError
-from rank_worker.grammar_state import GrammarState
-from rank_worker.jump_forward import JumpForward
-from rank_worker.logits_apply import LogitsMasker, plan_rows
-from rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.drafter import Drafter
+from gramcoord.rank_worker.errors import GrammarError
+from gramcoord.rank_worker.grammar_state import GrammarState
+from gramcoord.rank_worker.jump_forward import JumpForward
+from gramcoord.rank_worker.logits_apply import LogitsMasker, plan_rows
+from gramcoord.rank_worker.tokenizer import Tokenizer
 
 
 class LogitsModel(Protocol):

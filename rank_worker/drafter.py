@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from rank_worker.config import SpeculativeConfig
-from rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.config import SpeculativeConfig
+from gramcoord.rank_worker.tokenizer import Tokenizer
 
 
 class Drafter(Protocol):

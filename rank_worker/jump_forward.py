@@ -73,10 +73,10 @@ from typing import NamedTuple
 
 import msgspec
 
-from rank_worker.config import GrammarConfig
-from rank_worker.errors import GrammarError
-from rank_worker.grammar_state import GrammarState
-from rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import GrammarError
+from gramcoord.rank_worker.grammar_state import GrammarState
+from gramcoord.rank_worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -29,14 +29,19 @@ from typing import Any, Literal
 import msgspec
 import xgrammar as xgr
 
-from coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
-from rank_worker.caches import CompileCache, PoisonCache, PoisonKind
-from rank_worker.compile_service import CompileFn, CompileJob, CompileService, XGrammarBackend
-from rank_worker.config import GrammarConfig
-from rank_worker.errors import ErrorCode, SpecError
-from rank_worker.spec import GrammarSpec, validate_spec
-from rank_worker.tokenizer import Tokenizer
-from sync.messages import MAX_REQUEST_ID_CHARS
+from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+from gramcoord.rank_worker.caches import CompileCache, PoisonCache, PoisonKind
+from gramcoord.rank_worker.compile_service import (
+    CompileFn,
+    CompileJob,
+    CompileService,
+    XGrammarBackend,
+)
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode, SpecError
+from gramcoord.rank_worker.spec import GrammarSpec, validate_spec
+from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import msgspec
 import xgrammar as xgr
 
-from rank_worker.config import TokenizerConfig
+from gramcoord.rank_worker.config import TokenizerConfig
 
 logger = logging.getLogger(__name__)
 

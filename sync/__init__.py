@@ -7,9 +7,9 @@ with a :class:`BitmaskReceiver` built from the channel's
 workers elsewhere get the same bytes as raw zmq frames. Nothing is pickled.
 """
 
-from sync.channel import BitmaskChannel, ChannelHandle
-from sync.config import TransportConfig
-from sync.errors import (
+from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
+from gramcoord.sync.config import TransportConfig
+from gramcoord.sync.errors import (
     ChannelClosed,
     HandshakeError,
     PeerGone,
@@ -18,7 +18,7 @@ from sync.errors import (
     TransportTimeout,
     WriterLost,
 )
-from sync.messages import (
+from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     BitmaskFrame,
     BitmaskReady,
@@ -28,8 +28,8 @@ from sync.messages import (
     Shutdown,
     Welcome,
 )
-from sync.receiver import BitmaskReceiver
-from sync.ring import BitmaskRing, RingHandle
+from gramcoord.sync.receiver import BitmaskReceiver
+from gramcoord.sync.ring import BitmaskRing, RingHandle
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -3,7 +3,7 @@
 A stage leader builds one :class:`BitmaskChannel` naming its TP workers,
 hands :attr:`BitmaskChannel.handle` to them (it is a small msgspec Struct:
 encode it, broadcast it, or pickle it) and calls :meth:`~BitmaskChannel.accept`.
-Each worker builds a :class:`~sync.receiver.BitmaskReceiver` from the
+Each worker builds a :class:`~gramcoord.sync.receiver.BitmaskReceiver` from the
 handle. Then, every step::
 
     leader:  channel.publish(step, mask, request_ids, num_drafts)
@@ -15,12 +15,12 @@ Readers on the leader's host read the ring slot in place; readers elsewhere
 (or every reader with ``transport: tcp``) get the same bytes as one raw zmq
 frame. The leader blocks only when the slowest reader is ``num_slots``
 steps behind, and then for at most ``timeout_s``; while it waits it checks
-that the readers it waits for are alive (:class:`~sync.roster.Roster`), so a
+that the readers it waits for are alive (:class:`~gramcoord.sync.roster.Roster`), so a
 dead reader is named at once rather than at the deadline.
 
 Each step's ``BitmaskReady`` is stored in the slot as well as sent over zmq:
 local readers poll the slot briefly before sleeping on their socket (see
-:mod:`sync.receiver`), which is what makes the ring faster than any
+:mod:`gramcoord.sync.receiver`), which is what makes the ring faster than any
 message-based path for these sizes (``benchmarks/transport.py``).
 """
 
@@ -36,10 +36,10 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from sync.config import TransportConfig
-from sync.control import ControlServer, local_hostname
-from sync.errors import PeerGone, TransportError, TransportTimeout, quote_names
-from sync.messages import (
+from gramcoord.sync.config import TransportConfig
+from gramcoord.sync.control import ControlServer, local_hostname
+from gramcoord.sync.errors import PeerGone, TransportError, TransportTimeout, quote_names
+from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     READER_NAME_PATTERN,
     BitmaskFrame,
@@ -48,8 +48,8 @@ from sync.messages import (
     Shutdown,
     valid_reader_name,
 )
-from sync.ring import BitmaskRing, RingHandle
-from sync.roster import Roster
+from gramcoord.sync.ring import BitmaskRing, RingHandle
+from gramcoord.sync.roster import Roster
 
 logger = logging.getLogger(__name__)
 

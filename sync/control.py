@@ -14,7 +14,7 @@ the log) and dropped; it never raises out of ``recv``.
 
 ``ROUTER_MANDATORY`` makes a send to a reader that has disconnected fail at
 once, and readers watch their connection with a zmq monitor, so a dead
-writer surfaces as :class:`~sync.errors.WriterLost` rather than a silent
+writer surfaces as :class:`~gramcoord.sync.errors.WriterLost` rather than a silent
 wait.
 """
 
@@ -35,9 +35,15 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sync.errors import PeerGone, TransportTimeout, WriterLost
-from sync.janitor import PREFIX, janitor
-from sync.messages import BitmaskFrame, ReaderMessage, WriterMessage, reader_decoder, writer_decoder
+from gramcoord.sync.errors import PeerGone, TransportTimeout, WriterLost
+from gramcoord.sync.janitor import PREFIX, janitor
+from gramcoord.sync.messages import (
+    BitmaskFrame,
+    ReaderMessage,
+    WriterMessage,
+    reader_decoder,
+    writer_decoder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +325,7 @@ class ControlClient:
         -------
         tuple or None
             ``(message, frame)``; ``frame`` (zero-copy) only follows a
-            :class:`~sync.messages.BitmaskFrame`. None after ``timeout`` s.
+            :class:`~gramcoord.sync.messages.BitmaskFrame`. None after ``timeout`` s.
 
         Raises
         ------

@@ -1,7 +1,7 @@
 """The reader's end of the bitmask transport (a TP worker).
 
 A :class:`BitmaskReceiver` joins a channel from its
-:class:`~sync.channel.ChannelHandle`, then takes one step at a time::
+:class:`~gramcoord.sync.channel.ChannelHandle`, then takes one step at a time::
 
     with BitmaskReceiver.connect(handle, "tp1", vocab_size=V) as rx:
         for step in steps:
@@ -24,9 +24,9 @@ taken from the ring are recognised and skipped.
 Nothing a peer sends can crash the reader: frames that do not decode, that
 do not match the ring's slot header or that repeat an old step are counted
 in ``dropped`` and skipped. What stops a reader is the writer going away
-(:class:`~sync.errors.WriterLost`, :class:`~sync.errors.ChannelClosed`), a
-deadline (:class:`~sync.errors.TransportTimeout`) or a genuine step out of
-order (:class:`~sync.errors.ProtocolError`).
+(:class:`~gramcoord.sync.errors.WriterLost`, :class:`~gramcoord.sync.errors.ChannelClosed`), a
+deadline (:class:`~gramcoord.sync.errors.TransportTimeout`) or a genuine step out of
+order (:class:`~gramcoord.sync.errors.ProtocolError`).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from sync.channel import ChannelHandle
-from sync.control import ControlClient, choose_mode, local_hostname, pid_alive
-from sync.errors import (
+from gramcoord.sync.channel import ChannelHandle
+from gramcoord.sync.control import ControlClient, choose_mode, local_hostname, pid_alive
+from gramcoord.sync.errors import (
     ChannelClosed,
     HandshakeError,
     ProtocolError,
@@ -49,7 +49,7 @@ from sync.errors import (
     TransportTimeout,
     WriterLost,
 )
-from sync.messages import (
+from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     READER_NAME_PATTERN,
     BitmaskFrame,
@@ -63,7 +63,7 @@ from sync.messages import (
     WriterMessage,
     valid_reader_name,
 )
-from sync.ring import POLLING_IS_SAFE, BitmaskRing
+from gramcoord.sync.ring import POLLING_IS_SAFE, BitmaskRing
 
 __all__ = ["BitmaskReceiver"]
 
@@ -130,7 +130,7 @@ class BitmaskReceiver:
         Parameters
         ----------
         handle
-            The writer's :attr:`~sync.channel.BitmaskChannel.handle`.
+            The writer's :attr:`~gramcoord.sync.channel.BitmaskChannel.handle`.
         name
             This reader's name; must be one the writer listed.
         vocab_size
@@ -145,7 +145,7 @@ class BitmaskReceiver:
         spin_us
             Microseconds :meth:`receive` polls the ring before sleeping on
             the control socket; ``handle.spin_us`` when None. Only readers in
-            shm mode on x86-64 poll (see ``sync.ring.POLLING_IS_SAFE``).
+            shm mode on x86-64 poll (see ``gramcoord.sync.ring.POLLING_IS_SAFE``).
 
         Returns
         -------

@@ -51,8 +51,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 import numpy as np
 
-from sync.errors import ProtocolError, TransportError, TransportTimeout, quote_names
-from sync.segment import Segment, segment_name
+from gramcoord.sync.errors import ProtocolError, TransportError, TransportTimeout, quote_names
+from gramcoord.sync.segment import Segment, segment_name
 
 __all__ = ["POLLING_IS_SAFE", "BitmaskRing", "RingHandle"]
 

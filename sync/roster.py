@@ -1,6 +1,6 @@
 """The writer's roster of readers: the handshake, how each joined, who left or died.
 
-:class:`~sync.channel.BitmaskChannel` hands every message a reader sends to
+:class:`~gramcoord.sync.channel.BitmaskChannel` hands every message a reader sends to
 its :class:`Roster`. The roster answers hellos (``Welcome``, or ``Bye`` with
 the reason), records releases of readers that are not on the writer's host
 in the ring, and keeps, per reader, whether it said bye, restarted or died,
@@ -14,10 +14,10 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from sync.control import ControlServer, choose_mode, pid_alive
-from sync.errors import HandshakeError, PeerGone, TransportError, quote_names
-from sync.messages import PROTOCOL_VERSION, Bye, Hello, ReaderMessage, Release, Welcome
-from sync.ring import BitmaskRing
+from gramcoord.sync.control import ControlServer, choose_mode, pid_alive
+from gramcoord.sync.errors import HandshakeError, PeerGone, TransportError, quote_names
+from gramcoord.sync.messages import PROTOCOL_VERSION, Bye, Hello, ReaderMessage, Release, Welcome
+from gramcoord.sync.ring import BitmaskRing
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One named POSIX shared-memory segment, mapped into this process.
 
 This is ``multiprocessing.shared_memory.SharedMemory`` minus the resource
-tracker (see :mod:`sync.janitor` for why): the creator registers the name
+tracker (see :mod:`gramcoord.sync.janitor` for why): the creator registers the name
 with the janitor, which removes it in every exit path, and attaching
 processes register nothing, so they can neither unlink the segment nor warn
 about it at exit.
@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 
-from sync.janitor import PREFIX, janitor
+from gramcoord.sync.janitor import PREFIX, janitor
 
 logger = logging.getLogger(__name__)
 

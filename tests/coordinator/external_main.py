@@ -14,11 +14,11 @@ from pathlib import Path
 import msgspec
 import torch.distributed as dist
 
-from coordinator.config import DistributedConfig, ParallelConfig
-from coordinator.external import attach_external
-from rank_worker.admission import Admission
-from rank_worker.config import GrammarConfig
-from rank_worker.manager import GrammarManager
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.coordinator.external import attach_external
+from gramcoord.rank_worker.admission import Admission
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.manager import GrammarManager
 from tests.conftest import make_tiny_tokenizer
 
 

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from coordinator.coordinator import Coordinator
-from coordinator.layout import ParallelLayout
-from coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+from gramcoord.coordinator.coordinator import Coordinator
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
 
 TIMEOUT_S = 10.0
 

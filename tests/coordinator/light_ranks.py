@@ -12,12 +12,12 @@ import time
 
 import torch.distributed as dist
 
-from coordinator.config import DistributedConfig
-from coordinator.coordinator import Coordinator
-from coordinator.errors import PeerLostError
-from coordinator.layout import ParallelLayout
-from coordinator.runtime import Runtime
-from coordinator.status import PendingState
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.coordinator import Coordinator
+from gramcoord.coordinator.errors import PeerLostError
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.runtime import Runtime
+from gramcoord.coordinator.status import PendingState
 from tests.coordinator.fakes import FakeMember
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from coordinator.config import DistributedConfig
-from coordinator.layout import ParallelLayout
-from coordinator.runtime import Runtime
-from rank_worker.admission import Admission
-from rank_worker.compile_service import XGrammarBackend
-from rank_worker.config import GrammarConfig
-from rank_worker.manager import GrammarManager
-from rank_worker.spec import validate_spec
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.runtime import Runtime
+from gramcoord.rank_worker.admission import Admission
+from gramcoord.rank_worker.compile_service import XGrammarBackend
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.manager import GrammarManager
+from gramcoord.rank_worker.spec import validate_spec
 from tests.conftest import make_tiny_tokenizer
 
 SPECS = [{"regex": "[a-z]+"}, {"regex": "[0-9]+"}, {"regex": "(ab)+"}, {"regex": "x+y"}]

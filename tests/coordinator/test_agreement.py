@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.agreement import Agreement
-from coordinator.errors import CoordinatorError, DivergenceError
-from coordinator.layout import ParallelLayout
-from coordinator.status import LocalStatus, PendingState
+from gramcoord.coordinator.agreement import Agreement
+from gramcoord.coordinator.errors import CoordinatorError, DivergenceError
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.status import LocalStatus, PendingState
 from tests.coordinator.fakes import Cluster
 
 P, R, F = PendingState.PENDING, PendingState.READY, PendingState.FAILED

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.errors import DivergenceError, LayoutError
-from coordinator.layout import ParallelLayout
-from coordinator.pipeline import Chain
-from coordinator.poison_share import PoisonShare
-from coordinator.status import Decision, PendingState, PoisonRecord
+from gramcoord.coordinator.errors import DivergenceError, LayoutError
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.pipeline import Chain
+from gramcoord.coordinator.poison_share import PoisonShare
+from gramcoord.coordinator.status import Decision, PendingState, PoisonRecord
 from tests.coordinator.fakes import Cluster, ThreadComm, ThreadHub
 
 P, R, F = PendingState.PENDING, PendingState.READY, PendingState.FAILED
@@ -148,7 +148,7 @@ def test_poison_records_beyond_the_cap_wait_for_the_next_step():
 
 
 def test_tp_worker_has_no_coordinator():
-    from coordinator.coordinator import Coordinator
+    from gramcoord.coordinator.coordinator import Coordinator
 
     layout = ParallelLayout(dp=1, pp=1, tp=2)
     with pytest.raises(LayoutError, match=r"rank 1 .* is a TP worker"):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.pipeline import DecisionCodec
-from coordinator.poison_share import pack_records, unpack_records
-from coordinator.report import GatherCodec, ReduceCodec, fingerprint, window_of
-from coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+from gramcoord.coordinator.pipeline import DecisionCodec
+from gramcoord.coordinator.poison_share import pack_records, unpack_records
+from gramcoord.coordinator.report import GatherCodec, ReduceCodec, fingerprint, window_of
+from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
 
 
 def random_statuses(rng, members: int, n: int, window: int):

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from coordinator.config import ParallelConfig
-from coordinator.errors import LayoutError
-from coordinator.layout import Coords, ParallelLayout
+from gramcoord.coordinator.config import ParallelConfig
+from gramcoord.coordinator.errors import LayoutError
+from gramcoord.coordinator.layout import Coords, ParallelLayout
 
 
 def layout(dp, pp, tp, requests="partitioned", pp_sync="chain"):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from coordinator.config import DistributedConfig, ParallelConfig
-from coordinator.errors import CoordinatorError, PeerLostError
-from coordinator.external import attach_external
-from coordinator.layout import ParallelLayout
-from coordinator.runtime import Runtime
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.coordinator.errors import CoordinatorError, PeerLostError
+from gramcoord.coordinator.external import attach_external
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.runtime import Runtime
 
 LAYOUT = ParallelLayout(dp=2, pp=1, tp=1)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from coordinator.status import PendingState
+from gramcoord.coordinator.status import PendingState
 from tests.coordinator import light_ranks, ranks
 from tests.procs import free_port, run_procs, run_ranks
 

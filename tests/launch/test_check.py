@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from launch.check import run_check
-from launch.cli import main
-from launch.config import load_config
-from launch.workload import parse_record
+from gramcoord.launch.check import run_check
+from gramcoord.launch.cli import main
+from gramcoord.launch.config import load_config
+from gramcoord.launch.workload import parse_record
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ WORKLOAD = "\n".join(
 def test_check_lines_and_summary(tmp_path, tiny_tokenizer, monkeypatch):
     path = tmp_path / "w.jsonl"
     path.write_text(WORKLOAD)
-    monkeypatch.setattr("launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
+    monkeypatch.setattr("gramcoord.launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
     out = io.BytesIO()
     summary = run_check(load_config(), str(path), out)
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
@@ -105,7 +105,7 @@ def test_check_lines_and_summary(tmp_path, tiny_tokenizer, monkeypatch):
 
 
 def test_cli_exit_codes(tmp_path, tiny_tokenizer, monkeypatch):
-    monkeypatch.setattr("launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
+    monkeypatch.setattr("gramcoord.launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
     path = tmp_path / "w.jsonl"
     path.write_text('{"id": "x", "kind": "regex", "regex": "(bad"}\n')
     out = tmp_path / "o.jsonl"

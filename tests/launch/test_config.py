@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import ConfigError, load_config
+from gramcoord.launch.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

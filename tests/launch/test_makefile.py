@@ -6,7 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
-from launch.cli import _parser
+from gramcoord.launch.cli import _parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

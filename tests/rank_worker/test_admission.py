@@ -8,12 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from coordinator.config import DistributedConfig
-from coordinator.layout import ParallelLayout
-from rank_worker.admission import Admission
-from rank_worker.compile_service import XGrammarBackend
-from rank_worker.config import GrammarConfig
-from rank_worker.manager import GrammarManager
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.rank_worker.admission import Admission
+from gramcoord.rank_worker.compile_service import XGrammarBackend
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.manager import GrammarManager
 from tests.coordinator.fakes import ThreadComm, ThreadHub
 
 SPEC_A = {"regex": "[a-z]+"}

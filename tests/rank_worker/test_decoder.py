@@ -6,11 +6,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from rank_worker.decoder import GreedyDecoder
-from rank_worker.errors import ErrorCode
-from rank_worker.grammar_state import GrammarState
-from rank_worker.replay_model import ReplayModel
-from rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.decoder import GreedyDecoder
+from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammar_state import GrammarState
+from gramcoord.rank_worker.replay_model import ReplayModel
+from gramcoord.rank_worker.tokenizer import Tokenizer
 
 REFERENCE = '{"name": "Bob", "tags": ["a", "b"]}'
 

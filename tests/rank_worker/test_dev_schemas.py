@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rank_worker.config import GrammarConfig
-from rank_worker.manager import GrammarManager
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.manager import GrammarManager
 
 pytestmark = pytest.mark.slow
 

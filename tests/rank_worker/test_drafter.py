@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rank_worker.config import SpeculativeConfig
-from rank_worker.drafter import NgramDrafter, ReferenceDrafter, make_drafter
+from gramcoord.rank_worker.config import SpeculativeConfig
+from gramcoord.rank_worker.drafter import NgramDrafter, ReferenceDrafter, make_drafter
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rank_worker.config import GrammarConfig, ReasoningConfig, TriggerConfig
-from rank_worker.gate import ConstraintBounds, Gate, Phase
-from rank_worker.trigger import TriggerMatcher
+from gramcoord.rank_worker.config import GrammarConfig, ReasoningConfig, TriggerConfig
+from gramcoord.rank_worker.gate import ConstraintBounds, Gate, Phase
+from gramcoord.rank_worker.trigger import TriggerMatcher
 
 END, IMPLICIT, T1, T2, X = 900, 901, 7, 8, 1
 

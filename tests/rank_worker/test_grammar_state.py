@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from rank_worker.errors import ErrorCode, GrammarError
-from rank_worker.gate import Gate, Phase
-from rank_worker.grammar_state import GrammarState, clear_bits, live_rows, strip_padding
+from gramcoord.rank_worker.errors import ErrorCode, GrammarError
+from gramcoord.rank_worker.gate import Gate, Phase
+from gramcoord.rank_worker.grammar_state import GrammarState, clear_bits, live_rows, strip_padding
 
 OBJECT = {"type": "object"}
 STRING_FIELD = {

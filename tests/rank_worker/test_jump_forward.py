@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from rank_worker.config import GrammarConfig
-from rank_worker.decoder import GreedyDecoder
-from rank_worker.gate import Gate
-from rank_worker.grammar_state import GrammarState
-from rank_worker.jump_forward import JumpForward, retokenize_plan
-from rank_worker.replay_model import ReplayModel
-from rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.decoder import GreedyDecoder
+from gramcoord.rank_worker.gate import Gate
+from gramcoord.rank_worker.grammar_state import GrammarState
+from gramcoord.rank_worker.jump_forward import JumpForward, retokenize_plan
+from gramcoord.rank_worker.replay_model import ReplayModel
+from gramcoord.rank_worker.tokenizer import Tokenizer
 
 PERSON = {
     "type": "object",

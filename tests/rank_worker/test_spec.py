@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank_worker.config import GrammarConfig
-from rank_worker.errors import ErrorCode, SpecError
-from rank_worker.spec import MAX_DEPTH, MAX_VALUES, StructuredOutputSpec, validate_spec
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode, SpecError
+from gramcoord.rank_worker.spec import MAX_DEPTH, MAX_VALUES, StructuredOutputSpec, validate_spec
 
 CFG = GrammarConfig()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rank_worker.config import TokenizerConfig
-from rank_worker.tokenizer import TokenizerError, load_tokenizer
+from gramcoord.rank_worker.config import TokenizerConfig
+from gramcoord.rank_worker.tokenizer import TokenizerError, load_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from queue import Empty
 
 import pytest
 
-from sync.janitor import remove
+from gramcoord.sync.janitor import remove
 from tests.sync.transport_peers import ipc_dirs, shm_names
 
 

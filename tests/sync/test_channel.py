@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sync import (
+from gramcoord.sync import (
     BitmaskChannel,
     BitmaskReady,
     BitmaskReceiver,
@@ -26,7 +26,7 @@ from sync import (
     TransportConfig,
     TransportTimeout,
 )
-from sync.control import ControlClient
+from gramcoord.sync.control import ControlClient
 from tests.sync.transport_peers import MAX_ROWS, VOCAB, digest, mask_for
 
 WIDTH = -(-VOCAB // 32)

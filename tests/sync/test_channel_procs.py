@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from sync import (
+from gramcoord.sync import (
     BitmaskChannel,
     BitmaskFrame,
     BitmaskReady,

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import zmq
 
-from sync import Bye, Hello, PeerGone, Release, Shutdown, WriterLost
-from sync.control import ControlClient, ControlServer, choose_mode, pid_alive
+from gramcoord.sync import Bye, Hello, PeerGone, Release, Shutdown, WriterLost
+from gramcoord.sync.control import ControlClient, ControlServer, choose_mode, pid_alive
 from tests.sync.transport_peers import wait_until
 
 

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from sync.janitor import PREFIX, Janitor, remove
+from gramcoord.sync.janitor import PREFIX, Janitor, remove
 from tests.sync.transport_peers import ring_owner_main, shm_names, wait_until
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sync.messages import (
+from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     BitmaskFrame,
     BitmaskReady,

@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sync.messages import BitmaskReady, ReadyDecoder
+from gramcoord.sync.messages import BitmaskReady, ReadyDecoder
 
 FULL = msgspec.msgpack.Decoder(BitmaskReady)
 ENC = msgspec.msgpack.Encoder()

@@ -9,7 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from sync import BitmaskRing, ProtocolError, RingHandle, TransportError, TransportTimeout
+from gramcoord.sync import BitmaskRing, ProtocolError, RingHandle, TransportError, TransportTimeout
 from tests.sync.transport_peers import shm_names
 
 

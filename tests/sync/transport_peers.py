@@ -19,8 +19,14 @@ import traceback
 
 import numpy as np
 
-from sync import BitmaskChannel, BitmaskReceiver, BitmaskRing, ChannelClosed, TransportConfig
-from sync.janitor import PREFIX
+from gramcoord.sync import (
+    BitmaskChannel,
+    BitmaskReceiver,
+    BitmaskRing,
+    ChannelClosed,
+    TransportConfig,
+)
+from gramcoord.sync.janitor import PREFIX
 
 VOCAB = 1000  # 32 words per row: small enough for thousands of steps on 2 cores
 MAX_ROWS = 12
