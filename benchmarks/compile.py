@@ -33,11 +33,11 @@ from pathlib import Path
 import xgrammar as xgr
 
 from gramcoord.launch.bench import BenchRecord, median_ms
-from gramcoord.rank_worker.compile_service import XGrammarBackend
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.manager import GrammarManager
-from gramcoord.rank_worker.spec import validate_spec
-from gramcoord.rank_worker.tokenizer import load_tokenizer
+from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.spec import validate_spec
+from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 
 _counter = itertools.count()
 

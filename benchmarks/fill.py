@@ -43,12 +43,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
-from gramcoord.rank_worker.bitmask import BitmaskBuilder, default_fill_threads  # noqa: E402
-from gramcoord.rank_worker.decoder import GreedyDecoder  # noqa: E402
-from gramcoord.rank_worker.grammar_state import GrammarState  # noqa: E402
-from gramcoord.rank_worker.jump_forward import JumpForward  # noqa: E402
-from gramcoord.rank_worker.replay_model import ReplayModel  # noqa: E402
-from gramcoord.rank_worker.tokenizer import load_tokenizer  # noqa: E402
+from gramcoord.rank_worker.engine.decoder import GreedyDecoder  # noqa: E402
+from gramcoord.rank_worker.engine.replay_model import ReplayModel  # noqa: E402
+from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer  # noqa: E402
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_threads  # noqa: E402
+from gramcoord.rank_worker.masks.grammar_state import GrammarState  # noqa: E402
+from gramcoord.rank_worker.masks.jump_forward import JumpForward  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 CHUNK = 16

@@ -26,8 +26,8 @@ from rich.table import Table
 
 from gramcoord.launch.config import ClusterConfig
 from gramcoord.launch.workload import WorkloadRecord, read_workload
-from gramcoord.rank_worker.manager import GrammarManager, Outcome
-from gramcoord.rank_worker.tokenizer import load_tokenizer
+from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
+from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 
 _STATUS = {"grammar_timeout": "timeout", "grammar_pool_saturated": "saturated"}
 

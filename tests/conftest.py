@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gramcoord.rank_worker.config import TokenizerConfig
-from gramcoord.rank_worker.tokenizer import Tokenizer, load_tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.coordinator.external import attach_external
-from gramcoord.rank_worker.admission import Admission
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.manager import GrammarManager
+from gramcoord.rank_worker.grammars.admission import Admission
+from gramcoord.rank_worker.grammars.manager import GrammarManager
 from tests.conftest import make_tiny_tokenizer
 
 

@@ -11,11 +11,11 @@ import time
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.runtime import Runtime
-from gramcoord.rank_worker.admission import Admission
-from gramcoord.rank_worker.compile_service import XGrammarBackend
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.manager import GrammarManager
-from gramcoord.rank_worker.spec import validate_spec
+from gramcoord.rank_worker.grammars.admission import Admission
+from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.spec import validate_spec
 from tests.conftest import make_tiny_tokenizer
 
 SPECS = [{"regex": "[a-z]+"}, {"regex": "[0-9]+"}, {"regex": "(ab)+"}, {"regex": "x+y"}]

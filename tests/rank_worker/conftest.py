@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import xgrammar as xgr
 
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 # Dev schemas used by the property tests: small, fast to compile, with a
 # valid instance xgrammar accepts as ``json.dumps`` text.

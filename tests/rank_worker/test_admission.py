@@ -10,10 +10,10 @@ import pytest
 
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.rank_worker.admission import Admission
-from gramcoord.rank_worker.compile_service import XGrammarBackend
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.manager import GrammarManager
+from gramcoord.rank_worker.grammars.admission import Admission
+from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
+from gramcoord.rank_worker.grammars.manager import GrammarManager
 from tests.coordinator.fakes import ThreadComm, ThreadHub
 
 SPEC_A = {"regex": "[a-z]+"}

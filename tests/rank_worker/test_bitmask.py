@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from gramcoord.rank_worker.bitmask import BitmaskBuilder, trim_drafts
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.gate import Gate
-from gramcoord.rank_worker.grammar_state import GrammarState
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.masks.gate import Gate
+from gramcoord.rank_worker.masks.grammar_state import GrammarState
 
 OBJECT = {"type": "object"}
 EOS = "<eos>"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gramcoord.rank_worker.caches import CompileCache, PoisonCache, PoisonKind
+from gramcoord.rank_worker.grammars.caches import CompileCache, PoisonCache, PoisonKind
 
 
 class Blob:

@@ -6,11 +6,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from gramcoord.rank_worker.decoder import GreedyDecoder
+from gramcoord.rank_worker.engine.decoder import GreedyDecoder
+from gramcoord.rank_worker.engine.replay_model import ReplayModel
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammar_state import GrammarState
-from gramcoord.rank_worker.replay_model import ReplayModel
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+from gramcoord.rank_worker.masks.grammar_state import GrammarState
 
 REFERENCE = '{"name": "Bob", "tags": ["a", "b"]}'
 

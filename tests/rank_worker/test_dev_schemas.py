@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.manager import GrammarManager
+from gramcoord.rank_worker.grammars.manager import GrammarManager
 
 pytestmark = pytest.mark.slow
 

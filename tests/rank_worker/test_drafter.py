@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gramcoord.rank_worker.config import SpeculativeConfig
-from gramcoord.rank_worker.drafter import NgramDrafter, ReferenceDrafter, make_drafter
+from gramcoord.rank_worker.engine.drafter import NgramDrafter, ReferenceDrafter, make_drafter
 
 
 @pytest.mark.parametrize(

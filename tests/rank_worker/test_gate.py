@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gramcoord.rank_worker.config import GrammarConfig, ReasoningConfig, TriggerConfig
-from gramcoord.rank_worker.gate import ConstraintBounds, Gate, Phase
-from gramcoord.rank_worker.trigger import TriggerMatcher
+from gramcoord.rank_worker.masks.gate import ConstraintBounds, Gate, Phase
+from gramcoord.rank_worker.masks.trigger import TriggerMatcher
 
 END, IMPLICIT, T1, T2, X = 900, 901, 7, 8, 1
 

@@ -8,8 +8,13 @@ import pytest
 import xgrammar as xgr
 
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError
-from gramcoord.rank_worker.gate import Gate, Phase
-from gramcoord.rank_worker.grammar_state import GrammarState, clear_bits, live_rows, strip_padding
+from gramcoord.rank_worker.masks.gate import Gate, Phase
+from gramcoord.rank_worker.masks.grammar_state import (
+    GrammarState,
+    clear_bits,
+    live_rows,
+    strip_padding,
+)
 
 OBJECT = {"type": "object"}
 STRING_FIELD = {

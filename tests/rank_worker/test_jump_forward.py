@@ -8,12 +8,12 @@ import pytest
 import xgrammar as xgr
 
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.decoder import GreedyDecoder
-from gramcoord.rank_worker.gate import Gate
-from gramcoord.rank_worker.grammar_state import GrammarState
-from gramcoord.rank_worker.jump_forward import JumpForward, retokenize_plan
-from gramcoord.rank_worker.replay_model import ReplayModel
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.engine.decoder import GreedyDecoder
+from gramcoord.rank_worker.engine.replay_model import ReplayModel
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+from gramcoord.rank_worker.masks.gate import Gate
+from gramcoord.rank_worker.masks.grammar_state import GrammarState
+from gramcoord.rank_worker.masks.jump_forward import JumpForward, retokenize_plan
 
 PERSON = {
     "type": "object",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from gramcoord.rank_worker.logits_apply import (
+from gramcoord.rank_worker.masks.logits_apply import (
     CudaMaskStaging,
     LogitsMasker,
     apply_bitmask_cuda,

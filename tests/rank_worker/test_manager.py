@@ -8,11 +8,11 @@ import time
 import pytest
 
 from gramcoord.coordinator.status import Decision, PendingState, PoisonRecord
-from gramcoord.rank_worker.compile_service import XGrammarBackend
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.manager import GrammarManager
-from gramcoord.rank_worker.spec import validate_spec
+from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.spec import validate_spec
 
 SCHEMA_A = {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}
 SCHEMA_B = {"json": {"type": "object", "properties": {"b": {"type": "string"}}}}

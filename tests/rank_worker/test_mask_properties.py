@@ -17,12 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gramcoord.rank_worker.bitmask import BitmaskBuilder, trim_drafts
-from gramcoord.rank_worker.decoder import GreedyDecoder
-from gramcoord.rank_worker.drafter import NgramDrafter, ReferenceDrafter
-from gramcoord.rank_worker.gate import Gate
-from gramcoord.rank_worker.grammar_state import GrammarState, strip_padding
-from gramcoord.rank_worker.replay_model import ReplayModel
+from gramcoord.rank_worker.engine.decoder import GreedyDecoder
+from gramcoord.rank_worker.engine.drafter import NgramDrafter, ReferenceDrafter
+from gramcoord.rank_worker.engine.replay_model import ReplayModel
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.masks.gate import Gate
+from gramcoord.rank_worker.masks.grammar_state import GrammarState, strip_padding
 
 SETTINGS = settings(
     max_examples=60,

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
-from gramcoord.rank_worker.spec import MAX_DEPTH, MAX_VALUES, StructuredOutputSpec, validate_spec
+from gramcoord.rank_worker.grammars.spec import (
+    MAX_DEPTH,
+    MAX_VALUES,
+    StructuredOutputSpec,
+    validate_spec,
+)
 
 CFG = GrammarConfig()
 

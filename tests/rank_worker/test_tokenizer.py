@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gramcoord.rank_worker.config import TokenizerConfig
-from gramcoord.rank_worker.tokenizer import TokenizerError, load_tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import TokenizerError, load_tokenizer
 
 
 @pytest.mark.parametrize(

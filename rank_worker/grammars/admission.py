@@ -31,7 +31,7 @@ from gramcoord.coordinator.coordinator import Coordinator
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.runtime import Comm
 from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord
-from gramcoord.rank_worker.manager import GrammarManager, Outcome
+from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 
 logger = logging.getLogger(__name__)
 

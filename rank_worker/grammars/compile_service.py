@@ -43,8 +43,8 @@ import xgrammar as xgr
 from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.spec import GrammarSpec
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.spec import GrammarSpec
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

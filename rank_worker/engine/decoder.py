@@ -24,13 +24,13 @@ from typing import Literal, NamedTuple, Protocol
 
 import torch
 
-from gramcoord.rank_worker.bitmask import BitmaskBuilder, trim_drafts
-from gramcoord.rank_worker.drafter import Drafter
+from gramcoord.rank_worker.engine.drafter import Drafter
 from gramcoord.rank_worker.errors import GrammarError
-from gramcoord.rank_worker.grammar_state import GrammarState
-from gramcoord.rank_worker.jump_forward import JumpForward
-from gramcoord.rank_worker.logits_apply import LogitsMasker, plan_rows
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.masks.grammar_state import GrammarState
+from gramcoord.rank_worker.masks.jump_forward import JumpForward
+from gramcoord.rank_worker.masks.logits_apply import LogitsMasker, plan_rows
 
 
 class LogitsModel(Protocol):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from gramcoord.rank_worker.config import SpeculativeConfig
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 
 class Drafter(Protocol):

@@ -30,17 +30,17 @@ import msgspec
 import xgrammar as xgr
 
 from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
-from gramcoord.rank_worker.caches import CompileCache, PoisonCache, PoisonKind
-from gramcoord.rank_worker.compile_service import (
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode, SpecError
+from gramcoord.rank_worker.grammars.caches import CompileCache, PoisonCache, PoisonKind
+from gramcoord.rank_worker.grammars.compile_service import (
     CompileFn,
     CompileJob,
     CompileService,
     XGrammarBackend,
 )
-from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.errors import ErrorCode, SpecError
-from gramcoord.rank_worker.spec import GrammarSpec, validate_spec
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ A constrained request may begin with text the grammar must not see:
    model emits without closing its thoughts) ends reasoning and is itself
    the first content token, so the grammar judges it.
 2. **Trigger.** Unconstrained until one of the trigger token sequences has
-   appeared (KMP, see ``gramcoord.rank_worker.trigger``). The trigger tokens are not
+   appeared (KMP, see ``gramcoord.rank_worker.masks.trigger``). The trigger tokens are not
    content; the grammar starts with the token after them.
 3. **Constrained.** Every token is fed to the grammar.
 
@@ -24,7 +24,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.trigger import Progress, TriggerMatcher
+from gramcoord.rank_worker.masks.trigger import Progress, TriggerMatcher
 
 
 class Phase(IntEnum):

@@ -19,7 +19,7 @@ import msgspec
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
-from gramcoord.rank_worker.schema_lint import walk_schema
+from gramcoord.rank_worker.grammars.schema_lint import walk_schema
 
 MAX_DEPTH = 64
 MAX_DEPTH_STRUCTURAL_TAG = 80

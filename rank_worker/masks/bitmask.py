@@ -43,8 +43,8 @@ import numpy as np
 import xgrammar as xgr
 
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError
-from gramcoord.rank_worker.gate import Phase
-from gramcoord.rank_worker.grammar_state import GrammarState, live_rows, strip_padding
+from gramcoord.rank_worker.masks.gate import Phase
+from gramcoord.rank_worker.masks.grammar_state import GrammarState, live_rows, strip_padding
 
 # Parallel fill (K == 0 only). Measured with ``benchmarks/fill.py`` on the
 # 2-core dev VM (shared with other jobs: figures swing by +-30% between runs),

@@ -3,7 +3,7 @@
 ``GrammarState`` is what the bitmask builder, the step loop and
 jump-forward talk to. It adds three things to ``xgrammar.GrammarMatcher``:
 
-- the gate (``gramcoord.rank_worker.gate``): reasoning and trigger tokens are
+- the gate (``gramcoord.rank_worker.masks.gate``): reasoning and trigger tokens are
   accepted without feeding the grammar, and their rows are unconstrained;
 - a token history, so ``rollback(n)`` undoes exactly ``n`` tokens whatever
   phase they were accepted in, and restores the phase they crossed;
@@ -30,7 +30,7 @@ import numpy as np
 import xgrammar as xgr
 
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError
-from gramcoord.rank_worker.gate import OPEN_GATE, ConstraintBounds, Gate, Phase
+from gramcoord.rank_worker.masks.gate import OPEN_GATE, ConstraintBounds, Gate, Phase
 
 # Leading words of a row probed before a full dead-row scan.
 _PROBE_WORDS = 16

@@ -75,8 +75,8 @@ import msgspec
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import GrammarError
-from gramcoord.rank_worker.grammar_state import GrammarState
-from gramcoord.rank_worker.tokenizer import Tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+from gramcoord.rank_worker.masks.grammar_state import GrammarState
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Grammars of one rank: vocabulary, spec validation, compile service, caches, manager."""
