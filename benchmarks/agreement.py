@@ -1,9 +1,9 @@
 """Agreement, PP hop and pp_sync cost against SGLang-style baselines, over gloo.
 
 ``gramcoord bench agreement`` (or ``run_bench('agreement', [], out)``) starts
-its own ranks: for each world size it launches that many copies of this file
-(``--child``), which build gloo worlds on 127.0.0.1 with a free port and
-measure, side by side in one run:
+its own ranks: for each world size it spawns that many ranks through
+``gramcoord.launch.procs``, which build gloo worlds on 127.0.0.1 with a free
+port and measure, side by side in one run:
 
 - ``agreement``: one coordinator step of a replicated group (encode, one
   collective, combine, decide, apply) against SGLang's way: pickled
@@ -29,14 +29,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,14 +39,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
+from gramcoord.launch.procs import free_port, run_procs  # noqa: E402
 
 CHILD_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- child side -----------------------------------------------------------------
@@ -307,10 +297,11 @@ def _pp_sync_rows(rank, world, args):
     return rows
 
 
-def _child(args) -> None:
+def _child(rank: int, world: int, args) -> list[dict] | None:
+    """One rank of the gloo world (``run_procs`` target); rank 0 returns the rows."""
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rows = []
     if world == 2:
@@ -323,43 +314,20 @@ def _child(args) -> None:
         rows += _pp_sync_rows(rank, world, args)
     dist.barrier()
     dist.destroy_process_group()
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
+    return rows if rank == 0 else None
 
 
 # -- parent side ----------------------------------------------------------------
 
 
 def _launch(world: int, args) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="gramcoord-bench-") as tmp:
-        out = Path(tmp) / "rows.json"
-        port = _free_port()
-        procs = []
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "OMP_NUM_THREADS": "1",
-            }
-            cmd = [sys.executable, __file__, "--child", "--out", str(out)]
-            cmd += ["--pending", ",".join(map(str, args.pending)), "--repeat", str(args.repeat)]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        codes = [p.returncode for p in procs]
-        if any(codes) or not out.is_file():
-            raise RuntimeError(f"benchmark ranks of world {world} failed: exit codes {codes}")
-        return json.loads(out.read_text())
+    # ``run_bench`` loads this file under a private module name that spawned
+    # children cannot import, so they import it as ``benchmarks.agreement``.
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    results = run_procs(
+        "benchmarks.agreement:_child", world, args=(args,), timeout=CHILD_TIMEOUT_S, env=env
+    )
+    return results[0].value
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -367,8 +335,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--pending", default="64,512", help="comma-separated pending counts")
     ap.add_argument("--repeat", type=int, default=41)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.worlds = [int(x) for x in str(args.worlds).split(",")]
     args.pending = [int(x) for x in str(args.pending).split(",")]
@@ -425,10 +391,6 @@ def run(args: list[str]) -> list[BenchRecord]:
 
 
 if __name__ == "__main__":
-    opts = _parse(sys.argv[1:])
-    if opts.child:
-        _child(opts)
-    else:
-        from gramcoord.launch.bench import format_table
+    from gramcoord.launch.bench import format_table
 
-        print(format_table(run(sys.argv[1:])))
+    print(format_table(run(sys.argv[1:])))

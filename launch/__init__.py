@@ -1,16 +1,7 @@
-"""Command line, cluster configs, workloads and the benchmark contract."""
+"""Command line, cluster configs, workloads, launchers and the per-rank program.
 
-from gramcoord.launch.bench import BenchRecord, median_ms, run_bench
-from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
-from gramcoord.launch.workload import WorkloadRecord, read_workload
-
-__all__ = [
-    "BenchRecord",
-    "ClusterConfig",
-    "ConfigError",
-    "WorkloadRecord",
-    "load_config",
-    "median_ms",
-    "read_workload",
-    "run_bench",
-]
+Nothing is imported here: a process that only needs ``gramcoord.launch.procs``
+(a spawned test child, a torchrun worker's trampoline) should not pay for
+torch and xgrammar. Import the modules themselves, e.g.
+``from gramcoord.launch.config import load_config``.
+"""

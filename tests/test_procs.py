@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.procs import SpawnError, run_procs, run_ranks
+from gramcoord.launch.procs import SpawnError, run_procs, run_ranks
 
 
 def _square(rank, n):

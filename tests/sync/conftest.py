@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import secrets
 import time
 from queue import Empty
 
 import pytest
 
+from gramcoord.launch.procs import ProcGroup
 from gramcoord.sync.janitor import remove
 from tests.sync.transport_peers import ipc_dirs, shm_names
 
@@ -32,24 +32,11 @@ def run_id() -> str:
     assert not leaked, f"transport leaked {leaked}"
 
 
-class Peers:
-    """Spawned processes (``spawn`` context) that are killed and joined at teardown."""
+class Peers(ProcGroup):
+    """Spawned peers (daemonic) that are terminated, killed and joined at teardown."""
 
     def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.started: list[mp.process.BaseProcess] = []
-
-    def start(self, target, *args, **kwargs) -> mp.process.BaseProcess:
-        proc = self.ctx.Process(target=target, args=args, kwargs=kwargs, daemon=True)
-        proc.start()
-        self.started.append(proc)
-        return proc
-
-    def queue(self):
-        return self.ctx.Queue()
-
-    def event(self):
-        return self.ctx.Event()
+        super().__init__(daemon=True)
 
     def results(self, queue, count: int, timeout: float = 90.0) -> dict[str, tuple]:
         """``count`` reports from ``queue``, by name; fails after ``timeout`` s."""
@@ -69,17 +56,10 @@ class Peers:
             got[report[0]] = report
         return got
 
-    def close(self) -> None:
-        for proc in self.started:
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.started:
-            proc.join(10)
-
 
 @pytest.fixture
 def peers(run_id):
-    """Spawn helper; every process it started is killed and joined afterwards.
+    """Spawn helper; every process it started is reaped afterwards.
 
     It depends on ``run_id`` so that the children are gone before the leak
     check runs.

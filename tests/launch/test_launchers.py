@@ -1,0 +1,127 @@
+"""The launchers run one entry per rank and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from gramcoord.launch.launchers import (
+    LaunchError,
+    check_outcomes,
+    launch_inline,
+    launch_torchrun,
+)
+from tests.launch.entries import decode, descendants, job, wait_for_no_descendants
+
+ENTRY = "tests.launch.entries:allreduce"
+
+
+def assert_nothing_left(before: set[int]) -> None:
+    """No process of the launch remains, and torch's agent thread has ended."""
+    assert descendants() - before == set()
+    assert not [t for t in threading.enumerate() if t.name.startswith("gramcoord-torchrun")]
+
+
+def assert_all_summed(outcomes, world: int) -> None:
+    reports = [decode(v) for v in check_outcomes(outcomes)]
+    assert [r.rank for r in reports] == list(range(world))
+    assert [r.local_rank for r in reports] == list(range(world))
+    assert {r.world_size for r in reports} == {world}
+    assert {r.total for r in reports} == {world * (world + 1) // 2}
+    assert len({r.pid for r in reports}) == world
+
+
+def assert_rank_1_raised(outcomes) -> None:
+    assert [o.rank for o in outcomes] == [0, 1]
+    bad, other = outcomes[1], outcomes[0]
+    assert not bad.ok and bad.error_type == "ValueError"
+    assert "boom on rank 1" in bad.traceback and "entries.py" in bad.traceback
+    assert not other.ok and other.error_type == "terminated"
+    with pytest.raises(LaunchError) as info:
+        check_outcomes(outcomes)
+    text = str(info.value)
+    assert text.index("--- rank 1 (ValueError") < text.index("--- rank 0 (terminated")
+
+
+def test_inline_runs_rank_0_of_1_and_restores_the_environment():
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    outcomes = launch_inline(ENTRY, job())
+    assert_all_summed(outcomes, 1)
+    assert {k: os.environ.get(k) for k in saved} == saved
+
+
+def test_inline_reports_a_raising_entry():
+    (outcome,) = launch_inline(ENTRY, job(fail_rank=0))
+    assert not outcome.ok and outcome.error_type == "ValueError"
+    assert "boom on rank 0" in outcome.traceback
+
+
+def test_entry_must_return_bytes():
+    (outcome,) = launch_inline("tests.launch.entries:not_bytes", b"")
+    assert outcome.error_type == "TypeError" and "expected bytes" in outcome.traceback
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "deadline_s"),
+    [
+        pytest.param({}, 90, id="two-ranks"),
+        pytest.param({"fail_rank": 1}, 90, id="rank-raises"),
+        pytest.param({"hang_rank": 1}, 12, id="rank-hangs"),
+    ],
+)
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_torchrun(kwargs, deadline_s):
+    before = descendants()
+    start = time.monotonic()
+    outcomes = launch_torchrun(ENTRY, job(**kwargs), nproc=2, deadline_s=deadline_s)
+    took = time.monotonic() - start
+    # Nothing outlives the launch, not even for a moment.
+    assert_nothing_left(before)
+    if not kwargs:
+        assert_all_summed(outcomes, 2)
+    elif "fail_rank" in kwargs:
+        assert_rank_1_raised(outcomes)
+    else:
+        assert [(o.rank, o.ok, o.error_type) for o in outcomes] == [
+            (0, False, "deadline"),
+            (1, False, "deadline"),
+        ]
+        assert deadline_s <= took < deadline_s + 10
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_torchrun_keyboard_interrupt_stops_every_rank():
+    before = descendants()
+    timer = threading.Timer(5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch_torchrun(ENTRY, job(hang_rank=1), nproc=2, deadline_s=120)
+    finally:
+        timer.cancel()
+    assert_nothing_left(before)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [pytest.param({}, id="two-ranks"), pytest.param({"fail_rank": 1}, id="rank-raises")]
+)
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_ray(kwargs):
+    pytest.importorskip("ray")
+    from gramcoord.launch.ray_launcher import launch_ray
+
+    before = descendants()
+    outcomes = launch_ray(ENTRY, job(**kwargs), nproc=2, deadline_s=120, num_cpus_per_rank=1)
+    # Ray's own processes (gcs, raylet, workers) wind down after shutdown.
+    assert wait_for_no_descendants(before) == set()
+    if kwargs:
+        assert_rank_1_raised(outcomes)
+    else:
+        assert_all_summed(outcomes, 2)

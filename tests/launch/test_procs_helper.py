@@ -1,0 +1,108 @@
+"""The process helper: dotted targets, child environment, deadline, reaping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from gramcoord.launch.procs import ProcGroup, SpawnError, format_failures, free_port, run_procs
+from tests.launch.entries import descendants
+
+
+def _threads(rank, n):
+    import torch
+
+    return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads(), os.environ.get("TAG")
+
+
+def _sleep(rank, n):
+    while True:
+        time.sleep(1)
+
+
+def _ignore_sigterm(ready):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def test_free_port_is_bindable_on_the_host():
+    port = free_port("127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_failures_are_listed_earliest_first():
+    def result(rank, ok, at):
+        return SimpleNamespace(
+            rank=rank, ok=ok, error_type="E", traceback=f"tb{rank}", finished_at=at, exitcode=1
+        )
+
+    text = format_failures(
+        [
+            result(0, False, 0.0),
+            result(1, False, 20.0),
+            result(2, True, 1.0),
+            result(3, False, 10.0),
+        ],
+        "why",
+    )
+    assert text.startswith("why\n")
+    assert text.index("rank 3") < text.index("rank 1") < text.index("rank 0")
+    assert "rank 2" not in text
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_dotted_target_gets_one_omp_thread_from_the_start(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    results = run_procs("tests.launch.test_procs_helper:_threads", 2, env={"TAG": "x"}, timeout=60)
+    assert [r.value for r in results] == [("1", 1, "x")] * 2
+    assert "OMP_NUM_THREADS" not in os.environ and "TAG" not in os.environ
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_deadline_ends_the_group_and_reaps_every_child():
+    before = descendants()
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match="deadline of 6s passed") as info:
+        run_procs(_sleep, 2, timeout=6)
+    assert time.monotonic() - start < 6 + 10
+    assert [r.error_type for r in info.value.results] == ["timeout", "timeout"]
+    assert [r.exitcode for r in info.value.results] == [-signal.SIGTERM] * 2
+    assert descendants() - before == set()
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_keyboard_interrupt_reaps_every_child():
+    before = descendants()
+    timer = threading.Timer(4, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_procs(_sleep, 2, timeout=60)
+    finally:
+        timer.cancel()
+    assert descendants() - before == set()
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_group_kills_a_child_that_ignores_sigterm():
+    with ProcGroup() as group:
+        ready = group.event()
+        proc = group.start(_ignore_sigterm, ready)
+        assert ready.wait(60)
+        start = time.monotonic()
+        group.close(grace_s=1)
+        assert 1 <= time.monotonic() - start < 10
+    assert proc.exitcode == -signal.SIGKILL
