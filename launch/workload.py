@@ -7,7 +7,10 @@ Accepted as they are, one JSON object per line:
 - a regex record (``"kind": "regex"``, ``"regex": "..."``) becomes a
   ``regex`` request;
 - a vLLM-style record carries ``structured_outputs`` (and optionally
-  ``prompt``, ``max_tokens``).
+  ``prompt``, ``max_tokens``);
+- a record with a ``prompt`` and no spec at all (no ``structured_outputs``,
+  ``schema`` or ``regex``) is an unconstrained request: ``spec`` is None and
+  ``constrained`` is False. Its rows are never masked.
 
 A line that is not JSON, or a record of no known shape, is still returned,
 as a ``WorkloadRecord`` with ``error`` set, so a caller can report it
@@ -17,19 +20,30 @@ without losing its place.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+# NOTE: like ``launch/bench.py``, this assumes the checkout layout (an
+# editable install): the repo root holds ``tests/data``, and the full dev
+# data may sit beside the checkout in ``../shared/data``.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Names a dev-data folder that wins over both defaults.
+DATA_DIR_ENV = "GRAMCOORD_DATA_DIR"
+
 
 class WorkloadRecord(msgspec.Struct, kw_only=True):
     # 0-based line number among non-blank lines (unique even if ids repeat).
     index: int
     id: str
-    # The raw structured_outputs mapping handed to validation.
+    # The raw structured_outputs mapping handed to validation; None for an
+    # unconstrained request (and for a record that could not be read).
     spec: Any = None
+    # False for a plain-prompt request with no structured output at all.
+    constrained: bool = True
     prompt: str = ""
     max_tokens: int = 0
     # Reference output text (a valid instance), if the record has one.
@@ -64,8 +78,10 @@ def parse_record(index: int, line: str) -> WorkloadRecord:
         return WorkloadRecord(spec={"json": rec["schema"]}, reference=_reference(rec), **common)
     if rec.get("kind") == "regex" or "regex" in rec:
         return WorkloadRecord(spec={"regex": rec.get("regex")}, **common)
+    if prompt:
+        return WorkloadRecord(constrained=False, reference=_reference(rec), **common)
     return WorkloadRecord(
-        error="record has none of structured_outputs, schema, regex", spec=None, **common
+        error="record has none of structured_outputs, schema, regex, prompt", spec=None, **common
     )
 
 
@@ -80,3 +96,20 @@ def read_workload(path: str | Path, limit: int = 0) -> Iterator[WorkloadRecord]:
             index += 1
             if limit and index >= limit:
                 return
+
+
+def dev_data_dir() -> Path:
+    """The folder of dev data (``schemas-dev.jsonl`` and friends).
+
+    Tests and benchmarks read their real schemas from here. In order:
+    ``$GRAMCOORD_DATA_DIR`` when set (relative to the working directory);
+    the full set in ``../shared/data`` beside the checkout when it exists;
+    otherwise the subset the repo carries in ``tests/data``.
+    """
+    env = os.environ.get(DATA_DIR_ENV)
+    if env:
+        return Path(env).resolve()
+    shared = REPO_ROOT.parent / "shared" / "data"
+    if (shared / "schemas-dev.jsonl").is_file():
+        return shared
+    return REPO_ROOT / "tests" / "data"

@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# $GRAMCOORD_DATA_DIR, else the full set in ../shared/data when it is there,
+# else the repo's own subset in tests/data (tests/data/README.md).
+DATA: Path = dev_data_dir()
 
 
 def make_tiny_tokenizer() -> Tokenizer:
@@ -39,15 +42,14 @@ def qwen_tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def dev_schemas() -> list[dict]:
+    """Dev schema records, each with its xgrammar label under ``"label"``."""
     path = DATA / "schemas-dev.jsonl"
-    if not path.is_file():
-        pytest.skip(f"dev data not found at {path}")
+    # Never a skip: without the data these tests would silently stop testing.
+    assert path.is_file(), f"dev data not found at {path} (see tests/data/README.md)"
     labels = {}
-    label_path = DATA / "schemas-dev.xgrammar-labels.jsonl"
-    if label_path.is_file():
-        for line in label_path.read_text().splitlines():
-            rec = json.loads(line)
-            labels[rec["id"]] = rec
+    for line in (DATA / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        labels[rec["id"]] = rec
     out = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)

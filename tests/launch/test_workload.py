@@ -1,0 +1,153 @@
+"""Workload records, the shipped default workload, and where dev data is found."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+
+from gramcoord.launch import workload as workload_mod
+from gramcoord.launch.workload import dev_data_dir, parse_record, read_workload
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "configs" / "workload.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("line", "constrained", "error"),
+    [
+        pytest.param('{"id": "p", "prompt": "hi", "max_tokens": 8}', False, None, id="plain"),
+        pytest.param(
+            '{"id": "p", "prompt": "hi", "structured_outputs": {"regex": "a+"}}',
+            True,
+            None,
+            id="constrained",
+        ),
+        # A spec with no kind is a bad spec, not an unconstrained request.
+        pytest.param(
+            '{"id": "p", "prompt": "hi", "structured_outputs": {}}', True, None, id="empty-spec"
+        ),
+        pytest.param('{"id": "p", "prompt": ""}', True, "none of", id="blank-prompt"),
+        pytest.param('{"id": "p", "max_tokens": 8}', True, "none of", id="no-prompt"),
+    ],
+)
+def test_unconstrained_records(line, constrained, error):
+    rec = parse_record(0, line)
+    assert rec.constrained is constrained
+    assert (rec.error is None) == (error is None)
+    if error:
+        assert error in rec.error
+    if not constrained:
+        assert rec.spec is None and rec.prompt == "hi" and rec.max_tokens == 8
+
+
+def _kind(raw: dict) -> str:
+    so = raw.get("structured_outputs")
+    if so is None:
+        return "none"
+    return next((k for k in so if k in ("json", "regex", "choice", "grammar", "json_object")), "?")
+
+
+def test_shipped_workload_shape():
+    raws = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
+    recs = list(read_workload(SHIPPED))
+    assert 40 <= len(recs) <= 60
+    assert len({r.id for r in recs}) == len(recs)
+    assert all(r.error is None and r.prompt and r.max_tokens > 0 for r in recs)
+    good = Counter(_kind(raw) for raw in raws if "expect_error" not in raw)
+    assert good["json"] >= 25 and good["regex"] >= 6, good
+    assert good["choice"] == good["grammar"] == 2 and good["json_object"] == 1, good
+    assert [r.constrained for r in recs] == [_kind(raw) != "none" for raw in raws]
+    assert good["none"] == 2
+    # Every good schema request carries the reference the synthetic model follows.
+    assert all(
+        r.reference
+        for r, raw in zip(recs, raws)
+        if _kind(raw) == "json" and "expect_error" not in raw
+    )
+    # Bad records are spread over the run, not bunched at the end.
+    bad_at = [i for i, raw in enumerate(raws) if "expect_error" in raw]
+    assert len(bad_at) >= 5 and bad_at[0] < len(raws) // 4 and bad_at[-1] > len(raws) // 2
+
+
+def test_shipped_workload_verdicts(tiny_tokenizer):
+    """Good specs compile and accept their reference; bad ones fail with their code.
+
+    Verdicts do not depend on the vocabulary, so the tiny one keeps this quick.
+    """
+    raws = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
+    recs = [r for r in read_workload(SHIPPED) if r.constrained]
+    expect = {raw["id"]: raw.get("expect_error") for raw in raws}
+    manager = GrammarManager(GrammarConfig(), tiny_tokenizer)
+    got: dict[str, str | None] = {}
+    cache: dict[str, str] = {}
+    try:
+        for rec in recs:
+            out = manager.add(rec.id, rec.spec)
+            if out.status == "failed":
+                got[rec.id], cache[rec.id] = out.code, out.cache
+            # Drain as we go, so a repeated bad spec meets its poisoned key.
+            while manager.num_pending:
+                for o in manager.step():
+                    got[o.request_id], cache[o.request_id] = o.code, o.cache
+        for rec in recs:
+            if expect[rec.id] is None and rec.reference is not None:
+                matcher = manager.matcher(rec.id)
+                assert matcher.accept_string(rec.reference) and matcher.is_completed(), rec.id
+    finally:
+        manager.close()
+    assert got == {r.id: expect[r.id] for r in recs}
+    repeated = [rid for rid, c in cache.items() if c == "poisoned"]
+    assert len(repeated) == 1 and expect[repeated[0]] == "grammar_invalid"
+
+
+def test_ebnf_reference_is_matched_exactly(tiny_tokenizer):
+    # The one grammar with a reference: the reference text is accepted and
+    # nothing after it.
+    raws = [json.loads(line) for line in SHIPPED.read_text().splitlines()]
+    (raw,) = [r for r in raws if _kind(r) == "grammar" and r.get("instances")]
+    text = json.dumps(raw["instances"][0]["data"])
+    compiled = xgr.GrammarCompiler(tiny_tokenizer.info).compile_grammar(
+        raw["structured_outputs"]["grammar"]
+    )
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(text) and matcher.is_completed()
+    assert not matcher.accept_string("x")
+
+
+def _touch_data(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "schemas-dev.jsonl").write_text("")
+    return folder
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "no-shared"])
+def test_dev_data_dir_order(tmp_path, monkeypatch, shared):
+    repo = tmp_path / "repo"
+    own = _touch_data(repo / "tests" / "data")
+    full = _touch_data(tmp_path / "shared" / "data") if shared else None
+    monkeypatch.setattr(workload_mod, "REPO_ROOT", repo)
+    monkeypatch.delenv(workload_mod.DATA_DIR_ENV, raising=False)
+    assert dev_data_dir() == (full if shared else own)
+    monkeypatch.setenv(workload_mod.DATA_DIR_ENV, str(own))
+    assert dev_data_dir() == own
+
+
+def test_repo_subset_is_complete():
+    """tests/data stands alone: labels line up, licences travel with it."""
+    data = ROOT / "tests" / "data"
+    ids = [json.loads(x)["id"] for x in (data / "schemas-dev.jsonl").read_text().splitlines()]
+    labels = (data / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines()
+    assert ids == [json.loads(x)["id"] for x in labels]
+    assert 60 <= len(ids) <= 120
+    assert (data / "regexes-dev.jsonl").read_text().count("\n") >= 30
+    assert {p.name for p in (data / "LICENSES").iterdir()} >= {
+        "Apache-2.0.txt",
+        "MIT-JSON-Schema-Test-Suite.txt",
+    }
+    assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 1_500_000
