@@ -7,6 +7,7 @@ renumbered: add new codes at the end.
 
 from __future__ import annotations
 
+import re
 from enum import IntEnum
 
 
@@ -56,6 +57,9 @@ class WarningCode:
     # A feature xgrammar ignores, accepted because
     # grammar.reject_ignored_features is off.
     ignored_feature = "ignored_feature"
+    # A oneOf whose branches xgrammar cannot prove disjoint: it is enforced
+    # as anyOf, so output matching several branches is accepted.
+    oneof_as_anyof = "oneof_as_anyof"
 
 
 class SpecError(ValueError):
@@ -82,3 +86,60 @@ class GrammarError(RuntimeError):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+# -- native (C++) messages ----------------------------------------------
+#
+# xgrammar's C++ errors arrive as ``RuntimeError("[02:57:44]
+# /project/cpp/json_schema_converter.cc:5088: Cannot find field ...")``:
+# a wall-clock time and a build path in front of the text, sometimes nested
+# inside another message (a Lark grammar quoting a regex error). The time
+# differs between ranks and runs, so it never reaches a request's message.
+
+_TIMESTAMP = r"\[(?:\d{4}-\d{2}-\d{2}[ T])?\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\]"
+_SOURCE_EXT = r"(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py|so)"
+# "[time] /dir/file.cc:123: ", anywhere in a line (the location is optional).
+_NATIVE_PREFIX = re.compile(
+    _TIMESTAMP + r"[ \t]*(?:(?:[^\s:\[\]]*/)?[\w.+-]+\." + _SOURCE_EXT + r"(?::\d+)?:[ \t]*)?"
+)
+# "Check failed: (cond) is false: " -- the C++ condition means nothing to a user.
+_CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false(?::[ \t]*|(?=\s|$))")
+# An absolute path to a source file or library, with its line: keep the name.
+_SOURCE_PATH = re.compile(
+    r"(?<![\w.])/(?:[^\s/:'\"()\[\]]+/)+([\w.+-]+\." + _SOURCE_EXT + r"(?:\.\d+)*)(?::\d+)?\b"
+)
+# A pointer: differs between processes.
+_HEX_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{8,16}\b")
+
+
+def clean_native_message(text: str) -> str:
+    """A native library's message made the same on every rank and every run.
+
+    Removes log prefixes (``[02:57:44] /project/cpp/file.cc:123: ``) wherever
+    they occur, ``Check failed: (...) is false:`` preambles, stack traces,
+    directories of source files, pointer values, trailing whitespace and
+    blank lines. The meaningful text, including multi-line excerpts such as
+    a Lark error's caret line, is kept as it is.
+
+    >>> clean_native_message("[02:57:44] /project/cpp/regex_converter.cc:94: Regex parsing "
+    ...                      "error at position 5: The parenthesis is not closed.\\n")
+    'Regex parsing error at position 5: The parenthesis is not closed.'
+    """
+    lines: list[str] = []
+    in_trace = False
+    for line in text.splitlines():
+        if re.fullmatch(r"\s*Stack trace:\s*", line):
+            in_trace = True
+            continue
+        if in_trace and line[:1].isspace():
+            continue
+        in_trace = False
+        line = _NATIVE_PREFIX.sub("", line)
+        kept = _CHECK_FAILED.sub("", line)
+        # A check without a message keeps its condition: better than nothing.
+        line = kept if kept.strip() else line
+        line = _SOURCE_PATH.sub(r"\1", line)
+        line = _HEX_ADDRESS.sub("0x...", line).rstrip()
+        if line.strip():
+            lines.append(line)
+    return "\n".join(lines).strip()

@@ -42,7 +42,7 @@ import xgrammar as xgr
 
 from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
@@ -56,6 +56,17 @@ def _choice_ebnf(text: str) -> str:
     # every option safely.
     options = json.loads(text)
     return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+
+
+def compile_error_message(exc: BaseException) -> str:
+    """A failed compile's message, the same on every rank and in every run.
+
+    xgrammar's C++ errors carry a wall-clock time and a source path
+    (``RuntimeError: [02:57:44] /project/cpp/...cc:94: Regex parsing error
+    ...``); only the exception type and the meaningful text are kept.
+    """
+    text = clean_native_message(str(exc))
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class XGrammarBackend:
@@ -141,7 +152,6 @@ class CompileService:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config
         self.sync = config.compile_mode == "sync"
         self.timeout_s = config.compile_timeout_s
         self.pool_size = config.pool_size
@@ -223,7 +233,7 @@ class CompileService:
             result = self._compile(job.spec)
             error = None
         except Exception as exc:  # any compile failure is the spec's fault
-            result, error = None, (ErrorCode.grammar_invalid, f"{type(exc).__name__}: {exc}")
+            result, error = None, (ErrorCode.grammar_invalid, compile_error_message(exc))
         job.compile_ms = (time.perf_counter() - t0) * 1e3
         with self._lock:
             self._running.discard(job)

@@ -19,7 +19,7 @@ import msgspec
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
-from gramcoord.rank_worker.grammars.schema_lint import walk_schema
+from gramcoord.rank_worker.grammars.schema_lint import inexact_one_ofs, walk_schema
 
 MAX_DEPTH = 64
 MAX_DEPTH_STRUCTURAL_TAG = 80
@@ -71,10 +71,6 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     # blake2b-128 digest; identical on every rank for the same spec.
     key: bytes
     warnings: tuple[str, ...] = ()
-
-    @property
-    def key_hex(self) -> str:
-        return self.key.hex()
 
     @property
     def needs_full_vocab(self) -> bool:
@@ -150,7 +146,7 @@ def _check_size(text: str, config: GrammarConfig, field: str) -> None:
         )
 
 
-def _json_schema(value: Any, config: GrammarConfig) -> tuple[str, list[str]]:
+def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[str, list[str]]:
     schema = _load_json_value(value, "json", config)
     if schema is True or schema == {}:
         schema = {}
@@ -189,9 +185,37 @@ def _json_schema(value: Any, config: GrammarConfig) -> tuple[str, list[str]]:
     if found.remote_refs:
         refs = ", ".join(f"{r!r} at {p}" for p, r in found.remote_refs[:3])
         warnings.append(f"{WarningCode.unconstrained_ref}: {refs} not resolvable locally")
+    inexact = inexact_one_ofs(canonical, strict_mode=strict_mode)
+    if inexact:
+        warnings.append(_one_of_warning(inexact))
     text = _canonical_json(canonical)
     _check_size(text, config, "json")
     return text, warnings
+
+
+def _one_of_warning(paths: list[str]) -> str:
+    shown = ", ".join(paths[:3])
+    more = f" (+{len(paths) - 3} more)" if len(paths) > 3 else ""
+    return (
+        f"{WarningCode.oneof_as_anyof}: {shown}{more} enforced as anyOf (branches not provably "
+        "disjoint): output matching several branches is accepted"
+    )
+
+
+def _tag_schemas(tag: Any) -> list[tuple[str, Any]]:
+    """(path, schema) of the JSON schemas a structural tag embeds, in order."""
+    found: list[tuple[str, Any]] = []
+    stack: list[tuple[Any, str]] = [(tag, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") in ("json_schema", "qwen_xml_parameter") and "json_schema" in node:
+                found.append((f"{path}.json_schema", node["json_schema"]))
+                continue
+            stack.extend((v, f"{path}.{k}") for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
+    return found
 
 
 def _pick_kind(spec: StructuredOutputSpec) -> str:
@@ -206,10 +230,10 @@ def _pick_kind(spec: StructuredOutputSpec) -> str:
     return given[0]
 
 
-def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig):
+def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig, strict: bool):
     warnings: list[str] = []
     if field == "json":
-        text, warnings = _json_schema(spec.json, config)
+        text, warnings = _json_schema(spec.json, config, strict)
         return "json", text, warnings
     if field == "json_object":
         if spec.json_object is not True:
@@ -238,6 +262,14 @@ def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig
                 f"structural_tag nests {found.max_depth} levels; "
                 f"the limit is {MAX_DEPTH_STRUCTURAL_TAG}",
             )
+        # Embedded schemas compile in strict mode.
+        inexact = [
+            where + p[1:]
+            for where, schema in _tag_schemas(tag)
+            for p in inexact_one_ofs(schema, strict_mode=True)
+        ]
+        if inexact:
+            warnings.append(_one_of_warning(inexact))
         # NOTE: key order is kept, not sorted: a structural tag embeds JSON
         # schemas whose `properties` order is the order xgrammar emits.
         text = _canonical_json(tag)
@@ -298,7 +330,12 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
     try:
         spec = _as_spec(raw)
         field = _pick_kind(spec)
-        kind, text, warnings = _kind_and_text(spec, field, config)
+        strict = config.strict_mode
+        if spec.disable_additional_properties is not None:
+            strict = spec.disable_additional_properties
+        if spec.strict_mode is not None:
+            strict = spec.strict_mode
+        kind, text, warnings = _kind_and_text(spec, field, config, strict)
     except RecursionError as exc:
         raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
     except (TypeError, ValueError, OverflowError) as exc:
@@ -312,11 +349,6 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
         any_ws = not spec.disable_any_whitespace
     if spec.any_whitespace is not None:
         any_ws = spec.any_whitespace
-    strict = config.strict_mode
-    if spec.disable_additional_properties is not None:
-        strict = spec.disable_additional_properties
-    if spec.strict_mode is not None:
-        strict = spec.strict_mode
     # Options only matter for JSON; normalizing them elsewhere keeps one key
     # per grammar.
     if kind not in ("json", "json_object"):
