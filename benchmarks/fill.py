@@ -43,20 +43,26 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
+from gramcoord.launch.workload import dev_data_dir  # noqa: E402
 from gramcoord.rank_worker.engine.decoder import GreedyDecoder  # noqa: E402
-from gramcoord.rank_worker.engine.replay_model import ReplayModel  # noqa: E402
+from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel  # noqa: E402
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer  # noqa: E402
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_threads  # noqa: E402
 from gramcoord.rank_worker.masks.grammar_state import GrammarState  # noqa: E402
 from gramcoord.rank_worker.masks.jump_forward import JumpForward  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data"
 CHUNK = 16
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench fill")
-    p.add_argument("--data", type=Path, default=DATA, help="folder of schemas-dev.jsonl")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
+        "else tests/data)",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     p.add_argument("--repeat", type=int, default=61, help="timed repeats per figure")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +77,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--parts", nargs="+", choices=["fill", "jump"], default=["fill", "jump"], help="what to run"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.data = args.data or dev_data_dir()
+    return args
 
 
 def _instances(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
@@ -228,10 +236,11 @@ def _jump_record(tokenizer, usable, any_whitespace: bool) -> BenchRecord:
     steps = {False: 0, True: 0}
     differ = 0
     t0 = time.perf_counter()
-    for _, compiled, text in usable:
-        model = ReplayModel(tokenizer, text)
-        a = plain.decode(GrammarState(compiled), model)
-        b = with_jf.decode(GrammarState(compiled), model)
+    model = SyntheticModel(tokenizer)
+    for sid, compiled, text in usable:
+        request = ModelRequest(sid, reference=text)
+        a = plain.decode(GrammarState(compiled), model, request)
+        b = with_jf.decode(GrammarState(compiled), model, request)
         steps[False] += a.num_steps
         steps[True] += b.num_steps
         differ += a.text != b.text

@@ -2,7 +2,9 @@
 
 from gramcoord.rank_worker.config import (
     GrammarConfig,
+    ModelConfig,
     ReasoningConfig,
+    SamplingConfig,
     SpeculativeConfig,
     TokenizerConfig,
     TriggerConfig,
@@ -12,10 +14,18 @@ from gramcoord.rank_worker.engine.drafter import (
     DRAFTERS,
     Drafter,
     NgramDrafter,
-    ReferenceDrafter,
+    ReplayDrafter,
     make_drafter,
 )
-from gramcoord.rank_worker.engine.replay_model import ReplayModel
+from gramcoord.rank_worker.engine.models import (
+    HFModel,
+    LogitsSource,
+    ModelRequest,
+    SyntheticModel,
+    build_tiny_qwen2,
+    make_model,
+)
+from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError, SpecError, WarningCode
 from gramcoord.rank_worker.grammars.caches import CompileCache, PoisonCache, PoisonEntry, PoisonKind
 from gramcoord.rank_worker.grammars.compile_service import (
@@ -74,10 +84,14 @@ __all__ = [
     "GrammarSpec",
     "GrammarState",
     "GreedyDecoder",
+    "HFModel",
     "JumpForward",
     "JumpResult",
     "JumpStats",
     "LogitsMasker",
+    "LogitsSource",
+    "ModelConfig",
+    "ModelRequest",
     "NgramDrafter",
     "Outcome",
     "Phase",
@@ -85,12 +99,14 @@ __all__ = [
     "PoisonEntry",
     "PoisonKind",
     "ReasoningConfig",
-    "ReferenceDrafter",
-    "ReplayModel",
+    "ReplayDrafter",
     "RowPlan",
+    "Sampler",
+    "SamplingConfig",
     "SpecError",
     "SpeculativeConfig",
     "StructuredOutputSpec",
+    "SyntheticModel",
     "Tokenizer",
     "TokenizerConfig",
     "TokenizerError",
@@ -99,10 +115,12 @@ __all__ = [
     "WarningCode",
     "XGrammarBackend",
     "apply_bitmask_cuda",
+    "build_tiny_qwen2",
     "default_fill_threads",
     "grammar_key",
     "load_tokenizer",
     "make_drafter",
+    "make_model",
     "plan_rows",
     "retokenize_plan",
     "strip_padding",

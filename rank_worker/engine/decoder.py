@@ -6,8 +6,9 @@ in one process and without batching:
 1. the drafter proposes up to K tokens and ``trim_drafts`` keeps the
    grammar-valid prefix;
 2. the builder fills the request's speculative rows;
-3. the model scores ``output + drafts[:i]`` for every row, the rows are
-   masked through the TP-side apply (``LogitsMasker``) and the argmax taken;
+3. the logits source scores ``(request, output + drafts[:i])`` for every
+   row, the rows are masked through the TP-side apply (``LogitsMasker``)
+   and the argmax taken;
 4. drafts are verified greedily: kept while they equal the argmax, and the
    first disagreement (or the bonus row) contributes the model's token;
 5. the tokens are accepted into the grammar, and jump-forward runs.
@@ -19,24 +20,16 @@ which is what the property tests check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, NamedTuple, Protocol
-
-import torch
+from typing import Literal, NamedTuple
 
 from gramcoord.rank_worker.engine.drafter import Drafter
+from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
 from gramcoord.rank_worker.errors import GrammarError
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpForward
 from gramcoord.rank_worker.masks.logits_apply import LogitsMasker, plan_rows
-
-
-class LogitsModel(Protocol):
-    def logits(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``float[len(contexts), V]``: next-token logits after each context."""
-        ...
 
 
 class DecodeResult(NamedTuple):
@@ -68,8 +61,6 @@ class GreedyDecoder:
         Jump-forward helper, or ``None`` to sample every token.
     """
 
-    _ID = "request"
-
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -89,9 +80,18 @@ class GreedyDecoder:
         self._stop = frozenset(tokenizer.stop_ids)
 
     def decode(
-        self, state: GrammarState, model: LogitsModel, drafter: Drafter | None = None
+        self,
+        state: GrammarState,
+        model: LogitsSource,
+        request: ModelRequest,
+        drafter: Drafter | None = None,
     ) -> DecodeResult:
-        """Decode until a stop token, ``max_tokens`` or a grammar error."""
+        """Decode ``request`` until a stop token, ``max_tokens`` or a grammar error.
+
+        ``model`` sees ``request`` with every row (its id, prompt and
+        reference); ``drafter`` proposes drafts when K > 0.
+        """
+        rid = request.request_id
         out: list[int] = []
         steps = saved = 0
         while len(out) < self.max_tokens:
@@ -102,8 +102,8 @@ class GreedyDecoder:
             built = self.builder.build([state], [drafts])
             if built.failures:
                 return self._result(out, steps, "error", built.failures[0], saved)
-            logits = model.logits([out + drafts[:i] for i in range(len(drafts) + 1)])
-            plan = plan_rows([self._ID], [self._ID], {self._ID: len(drafts)}, self.k + 1)
+            logits = model.logits([(request, out + drafts[:i]) for i in range(len(drafts) + 1)])
+            plan = plan_rows([rid], [rid], {rid: len(drafts)}, self.k + 1)
             self.masker.apply(logits, built.bitmask, plan)
             picks = logits.argmax(dim=-1).tolist()
             steps += 1

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.drafter import NgramDrafter, ReferenceDrafter
-from gramcoord.rank_worker.engine.replay_model import ReplayModel
+from gramcoord.rank_worker.engine.drafter import NgramDrafter, ReplayDrafter
+from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState, strip_padding
@@ -119,7 +119,7 @@ def test_speculative_rows_equal_plain_masks(
 class RandomDrafter:
     """Any drafter: reference-correct tokens, random ids, and padding, mixed."""
 
-    def __init__(self, reference: ReferenceDrafter, rng: random.Random, vocab_size: int) -> None:
+    def __init__(self, reference: ReplayDrafter, rng: random.Random, vocab_size: int) -> None:
         self.reference = reference
         self.rng = rng
         self.vocab_size = vocab_size
@@ -146,7 +146,7 @@ _K0: dict[tuple, tuple] = {}
     whitespace=st.booleans(),
     index=st.integers(0, 1000),
     k=st.integers(1, 4),
-    kind=st.sampled_from(["reference", "ngram", "random"]),
+    kind=st.sampled_from(["replay", "ngram", "random"]),
     detour=st.sampled_from([None, 5, 17]),
     reasoning=st.booleans(),
     rng=st.randoms(use_true_random=False),
@@ -160,24 +160,27 @@ def test_greedy_outputs_do_not_depend_on_drafts(
     reference = text if detour is None else text[:detour] + "\u00a7" + text[detour:]
     if reasoning:
         reference = "Let me think</tool_call>" + reference
-    model = ReplayModel(qwen_tokenizer, reference)
+    model = SyntheticModel(qwen_tokenizer)
+    request = ModelRequest(sid, reference=reference)
     gate = Gate(think_end_ids=[end]) if reasoning else None
 
     key = (whitespace, sid, detour, reasoning)
     if key not in _K0:
         plain = GreedyDecoder(qwen_tokenizer, max_tokens=96)
-        _K0[key] = plain.decode(GrammarState(compiled, gate=gate), model)
+        _K0[key] = plain.decode(GrammarState(compiled, gate=gate), model, request)
     expected = _K0[key]
 
     drafter = {
-        "reference": lambda: ReferenceDrafter(qwen_tokenizer, reference),
+        "replay": lambda: ReplayDrafter(qwen_tokenizer, reference, request_id=sid),
         "ngram": lambda: NgramDrafter(qwen_tokenizer.encode(reference)),
         "random": lambda: RandomDrafter(
-            ReferenceDrafter(qwen_tokenizer, reference), rng, qwen_tokenizer.vocab_size
+            ReplayDrafter(qwen_tokenizer, reference, error_every=0),
+            rng,
+            qwen_tokenizer.vocab_size,
         ),
     }[kind]()
     spec = GreedyDecoder(qwen_tokenizer, num_speculative_tokens=k, max_tokens=96)
-    got = spec.decode(GrammarState(compiled, gate=gate), model, drafter)
+    got = spec.decode(GrammarState(compiled, gate=gate), model, request, drafter)
     assert got.token_ids == expected.token_ids, sid
     assert got.finish_reason == expected.finish_reason
     assert (got.error and got.error.code) == (expected.error and expected.error.code)
@@ -186,18 +189,19 @@ def test_greedy_outputs_do_not_depend_on_drafts(
         assert expected.text.endswith(text), sid
 
 
-@pytest.mark.parametrize("kind", ["reference", "ngram"])
+@pytest.mark.parametrize("kind", ["replay", "ngram"])
 def test_drafts_save_steps(qwen_tokenizer, dev_pool, kind):
     sid, compiled, text = dev_pool[False][0]
-    model = ReplayModel(qwen_tokenizer, text)
+    model = SyntheticModel(qwen_tokenizer)
+    request = ModelRequest(sid, reference=text)
     drafter = (
-        ReferenceDrafter(qwen_tokenizer, text)
-        if kind == "reference"
+        ReplayDrafter(qwen_tokenizer, text, request_id=sid)
+        if kind == "replay"
         else NgramDrafter(qwen_tokenizer.encode(text))
     )
-    plain = GreedyDecoder(qwen_tokenizer).decode(GrammarState(compiled), model)
+    plain = GreedyDecoder(qwen_tokenizer).decode(GrammarState(compiled), model, request)
     spec = GreedyDecoder(qwen_tokenizer, num_speculative_tokens=3).decode(
-        GrammarState(compiled), model, drafter
+        GrammarState(compiled), model, request, drafter
     )
     assert spec.token_ids == plain.token_ids
     assert spec.num_steps < plain.num_steps, sid
