@@ -26,7 +26,7 @@ import numpy as np
 
 from gramcoord.coordinator.errors import CoordinatorError, DivergenceError
 from gramcoord.coordinator.report import CODECS, Verdict, Window, fingerprint, window_of
-from gramcoord.coordinator.status import Decision, LocalStatus, PendingState
+from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, decide_alone
 
 _PENDING, _READY, _FAILED = (int(s) for s in PendingState)
 
@@ -140,10 +140,10 @@ class Agreement:
         tick = step % self.clock_sync_steps == 0
         if len(self.members) == 1:
             self._advance(clock_ms)
-            return self._local(step, win)
+            return decide_alone(step, status, self._clock_ms)
         if self.compile_mode == "sync" and not tick:
             self._advance(clock_ms if clock_agreed else self._clock_ms)
-            return self._local(step, win)
+            return decide_alone(step, status, self._clock_ms)
         if len(win.seqs) == 0 and not tick:
             self._advance(clock_ms if clock_agreed else self._clock_ms)
             return Decision(step=step, clock_ms=self._clock_ms)
@@ -153,10 +153,6 @@ class Agreement:
 
     def _advance(self, clock_ms: int) -> None:
         self._clock_ms = max(self._clock_ms, int(clock_ms))
-
-    def _local(self, step: int, win: Window) -> Decision:
-        ready = win.states == _READY
-        return self._decision(step, win, ready, win.states == _FAILED, win.reasons)
 
     def _decision(
         self,

@@ -108,10 +108,7 @@ class Coordinator:
             raise LayoutError(
                 f"{layout.describe(rank)} is a TP worker; only stage leaders run a coordinator"
             )
-        self.layout = layout
         self.rank = rank
-        self.window = window
-        self.compile_mode = compile_mode
         self._comm = comm
         self._clock = clock
         self._last_step: int | None = None

@@ -29,9 +29,6 @@ class LocalStatus(msgspec.Struct, frozen=True, kw_only=True):
     seqs: tuple[int, ...] = ()
     states: tuple[int, ...] = ()
     reasons: tuple[int, ...] = ()
-    # Wall-clock milliseconds on this rank when the status was taken. The
-    # decision carries the maximum, so TTL expiry is decided identically.
-    clock_ms: int = 0
 
     def __post_init__(self) -> None:
         assert len(self.seqs) == len(self.states) == len(self.reasons)
@@ -60,3 +57,19 @@ class PoisonRecord(msgspec.Struct, frozen=True, array_like=True):
     reason: int
     # Agreed clock at which the failure was decided.
     clock_ms: int
+
+
+def decide_alone(step: int, status: LocalStatus, clock_ms: int) -> Decision:
+    """The decision of a member that decides on its own status (no peers).
+
+    The one single-rank rule: ready requests are admitted, failed ones fail,
+    pending ones wait. ``Agreement`` uses it for groups of one (and for
+    ``compile_mode: sync``), and ``GrammarManager.step`` for one process.
+    """
+    ready = tuple(s for s, st in zip(status.seqs, status.states) if st == PendingState.READY)
+    failed = tuple(
+        (s, r)
+        for s, st, r in zip(status.seqs, status.states, status.reasons)
+        if st == PendingState.FAILED
+    )
+    return Decision(step=step, ready=ready, failed=failed, clock_ms=clock_ms)

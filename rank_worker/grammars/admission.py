@@ -23,8 +23,7 @@ never mistake a waiting stage for a lost one.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.coordinator import Coordinator
@@ -51,8 +50,6 @@ class Admission:
         How long a later stage waits, per step, for local compiles of
         requests stage 0 admitted; defaults to ``compile_timeout_s``
         (``build`` caps it at half the step timeout).
-    clock:
-        Monotonic seconds (tests inject one).
     """
 
     def __init__(
@@ -61,15 +58,16 @@ class Admission:
         coordinator: Coordinator | None,
         *,
         stage_wait_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
         self.coordinator = coordinator
         self.stage_wait_s = (
             manager.config.compile_timeout_s if stage_wait_s is None else stage_wait_s
         )
-        self._clock = clock
         self.follower = coordinator is not None and not coordinator.decider
+        # Sequence numbers the last decision admitted: a failed outcome among
+        # them failed on this stage alone (e.g. grammar_stage_timeout).
+        self.last_ready: frozenset[int] = frozenset()
 
     @classmethod
     def build(
@@ -112,7 +110,9 @@ class Admission:
         """
         if self.coordinator is None:
             return self.manager.step()
-        return self.coordinator.step(step, self).outcome
+        result = self.coordinator.step(step, self)
+        self.last_ready = frozenset(result.decision.ready)
+        return result.outcome
 
     # -- coordinator.Member ---------------------------------------------------
 
@@ -128,13 +128,8 @@ class Admission:
     def apply_decision(self, decision: Decision) -> list[Outcome]:
         if not self.follower:
             return self.manager.apply_decision(decision)
-        deadline = self._clock() + self.stage_wait_s
-        for seq in decision.ready:
-            left = deadline - self._clock()
-            if left <= 0:
-                break
-            self.manager.wait_ready(seq, left)
-        outcomes = self.manager.apply_decision(decision, wait_s=0.0)
+        # One deadline for the whole decision; the manager owns the wait.
+        outcomes = self.manager.apply_decision(decision, wait_s=self.stage_wait_s)
         # Stage 0 already shares these keys; a follower's copy is redundant.
         self.manager.new_failures()
         late = [o for o in outcomes if o.code == "grammar_stage_timeout"]

@@ -27,9 +27,7 @@ class PoisonEntry(msgspec.Struct, frozen=True):
     # ErrorCode value of the original failure.
     reason: int
     message: str
-    # Agreed wall clock (ms) when poisoned, and when it stops applying
-    # (0 = never).
-    since_ms: int
+    # Agreed wall clock (ms) at which it stops applying (0 = never).
     expires_ms: int = 0
 
 
@@ -49,7 +47,6 @@ class CompileCache:
         self.max_entries = max_entries
         self._items: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
         self.bytes = 0
-        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -78,7 +75,6 @@ class CompileCache:
         while self.bytes > self.max_bytes or len(self._items) > self.max_entries:
             _, (_, evicted) = self._items.popitem(last=False)
             self.bytes -= evicted
-            self.evictions += 1
         return True
 
     def lru_order(self) -> list[bytes]:
@@ -113,7 +109,7 @@ class PoisonCache:
         if current is not None and current.kind is PoisonKind.INVALID:
             return
         self._items.pop(key, None)
-        self._items[key] = PoisonEntry(kind, reason, message, now_ms, expires)
+        self._items[key] = PoisonEntry(kind, reason, message, expires)
         while len(self._items) > self.max_entries:
             self._items.popitem(last=False)
 

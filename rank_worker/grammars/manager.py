@@ -29,7 +29,14 @@ from typing import Any, Literal
 import msgspec
 import xgrammar as xgr
 
-from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
+from gramcoord.coordinator.coordinator import wall_clock_ms
+from gramcoord.coordinator.status import (
+    Decision,
+    LocalStatus,
+    PendingState,
+    PoisonRecord,
+    decide_alone,
+)
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
 from gramcoord.rank_worker.grammars.caches import CompileCache, PoisonCache, PoisonKind
@@ -65,6 +72,23 @@ class Outcome(msgspec.Struct, kw_only=True):
     compile_ms: float = 0.0
 
 
+class ManagerStats(msgspec.Struct, kw_only=True):
+    """Counters of one manager; ``summary.json`` reads them."""
+
+    # Admissions by cache path: compiled here, cache hit, joined an
+    # in-flight compile of the same key, or failed on a poisoned key.
+    miss: int = 0
+    hit: int = 0
+    joined: int = 0
+    poisoned: int = 0
+    # Specs rejected by validation (never keyed or compiled).
+    invalid_spec: int = 0
+    admitted: int = 0
+    failed: int = 0
+    # Decisions naming a seq this rank does not hold (aborted meanwhile).
+    unknown_seq: int = 0
+
+
 @dataclass(eq=False)
 class _Entry:
     seq: int
@@ -75,10 +99,6 @@ class _Entry:
     job: CompileJob | None = None
     warnings: tuple[str, ...] = ()
     compile_ms: float = 0.0
-
-
-def _wall_ms() -> int:
-    return int(time.time() * 1e3)
 
 
 class GrammarManager:
@@ -94,8 +114,6 @@ class GrammarManager:
         Override the xgrammar backend (tests inject slow or failing ones).
     clock:
         Monotonic seconds for compile deadlines.
-    wall_ms:
-        Wall clock in ms, reported to the agreement for TTL decisions.
     """
 
     def __init__(
@@ -105,11 +123,9 @@ class GrammarManager:
         *,
         compile_fn: CompileFn | None = None,
         clock: Callable[[], float] = time.monotonic,
-        wall_ms: Callable[[], int] = _wall_ms,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self._wall_ms = wall_ms
         backend = compile_fn or XGrammarBackend(tokenizer)
         self.service = CompileService(config, backend, clock=clock)
         self.cache = CompileCache(
@@ -128,19 +144,7 @@ class GrammarManager:
         # Agreed wall clock (ms): the latest decision's. Poison TTLs are
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
-        self.stats: dict[str, int] = dict.fromkeys(
-            (
-                "miss",
-                "hit",
-                "joined",
-                "poisoned",
-                "invalid_spec",
-                "admitted",
-                "failed",
-                "unknown_seq",
-            ),
-            0,
-        )
+        self.stats = ManagerStats()
 
     # -- admission --------------------------------------------------------
 
@@ -184,7 +188,7 @@ class GrammarManager:
         try:
             gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
         except SpecError as exc:
-            self.stats["invalid_spec"] += 1
+            self.stats.invalid_spec += 1
             return Outcome(
                 request_id=request_id,
                 seq=seq,
@@ -207,7 +211,7 @@ class GrammarManager:
         hit = self.poison.get(entry.spec.key, self.agreed_ms)
         if hit is None:
             return None
-        self.stats["poisoned"] += 1
+        self.stats.poisoned += 1
         entry.cache = "poisoned"
         code = ErrorCode.name_of(hit.reason)
         return self._outcome(entry, "failed", code=code, message=f"poisoned key: {hit.message}")
@@ -219,7 +223,7 @@ class GrammarManager:
         else:
             entry.job, joined = self.service.submit(entry.spec)
             entry.cache = "joined" if joined else "miss"
-        self.stats[entry.cache] += 1
+        setattr(self.stats, entry.cache, getattr(self.stats, entry.cache) + 1)
         self._pending[entry.seq] = entry
 
     def _fill_window(self) -> None:
@@ -252,26 +256,16 @@ class GrammarManager:
             seqs.append(seq)
             states.append(int(state))
             reasons.append(reason)
-        return LocalStatus(
-            seqs=tuple(seqs), states=tuple(states), reasons=tuple(reasons), clock_ms=self._wall_ms()
-        )
+        return LocalStatus(seqs=tuple(seqs), states=tuple(states), reasons=tuple(reasons))
 
-    def decide_locally(self, step: int = 0) -> Decision:
-        """The decision a single rank makes on its own status."""
-        status = self.local_status()
-        ready, failed = [], []
-        for seq, state, reason in zip(status.seqs, status.states, status.reasons):
-            if state == PendingState.FAILED:
-                failed.append((seq, reason))
-            elif state == PendingState.READY:
-                ready.append(seq)
-        return Decision(
-            step=step, ready=tuple(ready), failed=tuple(failed), clock_ms=status.clock_ms
-        )
+    def step(self, step: int = 0, *, clock_ms: int | None = None) -> list[Outcome]:
+        """Single-process admission: decide alone on the local status, apply it.
 
-    def step(self) -> list[Outcome]:
-        """Single-rank admission: decide on local status and apply it."""
-        out = self.apply_decision(self.decide_locally())
+        ``clock_ms`` is the agreed clock to decide TTLs with; the wall clock
+        (``coordinator.wall_clock_ms``) by default.
+        """
+        clock = wall_clock_ms() if clock_ms is None else clock_ms
+        out = self.apply_decision(decide_alone(step, self.local_status(), clock))
         # No peers to share new poison with.
         self._new_failures.clear()
         return out
@@ -302,7 +296,7 @@ class GrammarManager:
             if entry is None:
                 # Aborted here before the decision landed, or a caller bug
                 # (a seq this rank never saw): counted, never guessed at.
-                self.stats["unknown_seq"] += 1
+                self.stats.unknown_seq += 1
                 logger.debug("decision %d names seq %d, not pending here", decision.step, seq)
                 continue
             if seq in failed:
@@ -325,14 +319,14 @@ class GrammarManager:
                     code, msg = job.error
                 self.service.release(job)
                 self._seq_of.pop(entry.request_id, None)
-                self.stats["failed"] += 1
+                self.stats.failed += 1
                 return self._outcome(entry, "failed", code=code.name, message=msg)
             entry.compiled = job.result
             entry.compile_ms = job.compile_ms
             self.service.release(job)
         self.cache.put(entry.spec.key, entry.compiled)
         self._running[entry.request_id] = entry
-        self.stats["admitted"] += 1
+        self.stats.admitted += 1
         return self._outcome(entry, "admitted")
 
     def _fail(self, entry: _Entry, reason: int) -> Outcome:
@@ -352,7 +346,7 @@ class GrammarManager:
             self.poison.poison(entry.spec.key, kind, reason, message, self.agreed_ms)
             self._new_failures.append(PoisonRecord(entry.spec.key, reason, self.agreed_ms))
         self._seq_of.pop(entry.request_id, None)
-        self.stats["failed"] += 1
+        self.stats.failed += 1
         return self._outcome(entry, "failed", code=code, message=message)
 
     def new_failures(self) -> list[PoisonRecord]:
@@ -389,22 +383,9 @@ class GrammarManager:
         if self._running.pop(request_id, None) is not None:
             self._seq_of.pop(request_id, None)
 
-    def compiled(self, request_id: str) -> Any:
-        return self._running[request_id].compiled
-
-    def spec(self, request_id: str) -> GrammarSpec:
-        return self._running[request_id].spec
-
     def matcher(self, request_id: str) -> xgr.GrammarMatcher:
         """A fresh matcher on the request's shared compiled grammar."""
         return xgr.GrammarMatcher(self._running[request_id].compiled)
-
-    def wait_ready(self, seq: int, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until pending ``seq`` is ready or failed."""
-        entry = self._pending.get(seq)
-        if entry is None or entry.compiled is not None or entry.job is None:
-            return entry is not None
-        return self.service.wait(entry.job, timeout_s)
 
     def close(self) -> None:
         self.service.close()

@@ -112,7 +112,8 @@ def test_later_stage_fails_with_stage_timeout_instead_of_hanging(make_ranks):
         if len(seen[0]) == 2:
             break
         time.sleep(0.005)
-    assert seen[0] == [("a", "admitted", None), ("b", "admitted", None)]
+    # Stage 0 compiles both concurrently, so under load either may come first.
+    assert sorted(seen[0]) == [("a", "admitted", None), ("b", "admitted", None)]
     assert ("a", "failed", "grammar_stage_timeout") in seen[1]
     assert ("b", "admitted", None) in seen[1]
     assert ranks.admissions[1].follower and not ranks.admissions[0].follower

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gramcoord.coordinator.status import Decision, PendingState, PoisonRecord
+from gramcoord.coordinator.status import Decision, PendingState, PoisonRecord, decide_alone
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
@@ -56,8 +56,10 @@ def make(tokenizer, backend=None, **cfg):
         tokenizer,
         compile_fn=backend,
         clock=clock,
-        wall_ms=lambda: wall[0],
     )
+    # The agreed clock of a single process is the wall clock; tests move it.
+    single_step = manager.step
+    manager.step = lambda step=0: single_step(step, clock_ms=wall[0])
     return manager, clock, wall
 
 
@@ -105,7 +107,7 @@ def test_invalid_compile_poisons_permanently(tiny_tokenizer):
     m.add("r1", bad)
     failed = []
     while not failed:  # the multi-rank path keeps records for DP peers
-        failed = m.apply_decision(m.decide_locally())
+        failed = m.apply_decision(decide_alone(0, m.local_status(), 10_000))
     [failed] = failed
     assert failed.status == "failed" and failed.code == "grammar_invalid"
     [rec] = m.new_failures()
