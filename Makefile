@@ -18,11 +18,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The main job. Until `gramcoord run` exists (launch issue), it compiles every
-# spec of configs/local.yaml's workload and writes one line per record.
+# The main job: the configs/local.yaml cluster (dp=2 x tp=2 ranks under
+# torchrun) runs configs/workload.jsonl and writes runs/local/.
 run: $(STAMP)
-	mkdir -p runs/local
-	$(BIN)/gramcoord check --config configs/local.yaml --out runs/local/check.jsonl
+	$(BIN)/gramcoord run configs/local.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -32,4 +31,4 @@ test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache runs

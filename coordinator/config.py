@@ -42,6 +42,12 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     master_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     # Number of nodes (torchrun / ray).
     nnodes: PosInt = 1
+    # Deadline of a whole run started by `gramcoord run`: past it the
+    # launcher kills every rank (exit status 1).
+    run_timeout_s: PositiveFloat = 3600.0
+    # Ray cluster for `launcher: ray`: "local" starts a private one-node
+    # instance; "auto" or "HOST:PORT" joins a running cluster.
+    ray_address: str = "local"
     # Readiness collective: "all_gather" of one report per rank, or one
     # fixed-size "all_reduce" (BAND) whose size does not grow with the group
     # (reason codes limited to 1..63).

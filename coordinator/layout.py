@@ -267,5 +267,7 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True):
         if self.pp_sync == "chain":
             named += [("pp_chain", c) for c in self.pp_chains()]
         named += [("tp", g) for g in self.tp_groups()]
+        # The stage-0 leaders of every replica: the step loop's end-of-run vote.
+        named.append(("replicas", self.dp_leaders()))
         named.append(("world", tuple(range(self.world_size))))
         return tuple((name, g) for name, g in named if len(g) > 1)

@@ -1,7 +1,7 @@
 """``gramcoord check``: compile a workload's specs on one process.
 
 Each record gets one JSON line: ``{"id", "status": ok|invalid|timeout|
-saturated, "code", "message", "warnings", "compile_ms", "cache"}``, in input
+saturated|unconstrained, "code", "message", "warnings", "compile_ms", "cache"}``, in input
 order. A bad record becomes an ``invalid`` line; nothing stops the run.
 
 Requests rejected with ``grammar_pool_saturated`` were never compiled, so
@@ -94,7 +94,7 @@ def summary_table(s: CheckSummary) -> Table:
     table = Table(title=f"gramcoord check: {s.records} records in {s.wall_s:.1f}s")
     table.add_column("what")
     table.add_column("count / value", justify="right")
-    for k in ("ok", "invalid", "timeout", "saturated"):
+    for k in ("ok", "invalid", "timeout", "saturated", "unconstrained"):
         table.add_row(f"status {k}", str(s.by_status.get(k, 0)))
     for k, v in sorted(s.by_code.items(), key=lambda kv: -kv[1]):
         table.add_row(f"  code {k}", str(v))
@@ -120,7 +120,7 @@ def run_check(
     """Compile every record of ``workload`` and write one line per record."""
     console = console or Console(stderr=True)
     t0 = time.perf_counter()
-    records = list(read_workload(workload, config.workload.num_requests))
+    records = list(read_workload(workload, config.workload.limit))
     manager = GrammarManager(config.grammar, load_tokenizer(config.tokenizer))
     results: dict[int, CheckLine] = {}
     live: dict[str, WorkloadRecord] = {}
@@ -163,6 +163,16 @@ def run_check(
                         warnings=(),
                         compile_ms=0.0,
                         cache="miss",
+                    )
+                elif not rec.constrained:
+                    results[rec.index] = CheckLine(
+                        id=rec.id,
+                        status="unconstrained",
+                        code=None,
+                        message="no structured output: nothing to compile",
+                        warnings=(),
+                        compile_ms=0.0,
+                        cache="none",
                     )
                 else:
                     submit(rec)

@@ -7,13 +7,35 @@ import logging
 import sys
 from pathlib import Path
 
-from gramcoord.launch.config import ConfigError, load_config
+from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
+
+
+def _add_config_args(p: argparse.ArgumentParser, *, positional: bool) -> None:
+    if positional:
+        p.add_argument("config", help="cluster YAML, e.g. configs/local.yaml")
+    p.add_argument("--workload", help="JSONL workload (default: the config's workload.path)")
+    p.add_argument("--out", help="output directory (default: the config's output.dir)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. grammar.compile_timeout_s=5",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gramcoord", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a workload through the configured cluster")
+    _add_config_args(run, positional=True)
+    verify = sub.add_parser(
+        "verify", help="run the topology and the one-process reference, and compare them"
+    )
+    _add_config_args(verify, positional=True)
 
     check = sub.add_parser("check", help="compile a workload's specs on one process")
     check.add_argument("workload", nargs="?", help="JSONL workload (default: the config's)")
@@ -35,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load(args) -> ClusterConfig:
+    path = getattr(args, "config", None)
+    return load_config(path, args.overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, extra = _parser().parse_known_args(argv)
     if extra and args.command != "bench":
@@ -43,14 +70,24 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command == "check":
-        from gramcoord.launch.check import main_check
-
+    if args.command in ("run", "verify", "check"):
         try:
-            config = load_config(args.config, args.overrides)
+            config = _load(args)
         except ConfigError as exc:
             print(f"gramcoord: config error: {exc}", file=sys.stderr)
             return 2
+    if args.command in ("run", "verify"):
+        from rich.console import Console
+
+        from gramcoord.launch.run import main_run, main_verify
+
+        workload = args.workload or config.workload.path
+        out_dir = Path(args.out or config.output.dir)
+        fn = main_run if args.command == "run" else main_verify
+        return fn(config, workload, out_dir, Console())
+    if args.command == "check":
+        from gramcoord.launch.check import main_check
+
         workload = args.workload or config.workload.path
         if not Path(workload).is_file():
             print(f"gramcoord: workload {workload} not found", file=sys.stderr)

@@ -8,13 +8,21 @@ its path (``$.grammar.compile_timeout_s``) before any process starts.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
+from msgspec import Meta
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
-from gramcoord.rank_worker.config import GrammarConfig, SpeculativeConfig, TokenizerConfig
+from gramcoord.rank_worker.config import (
+    GrammarConfig,
+    ModelConfig,
+    SamplingConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    TokenizerConfig,
+)
 from gramcoord.sync.config import TransportConfig
 
 
@@ -22,42 +30,73 @@ class ConfigError(ValueError):
     """The config file or an override is invalid; the message names the field."""
 
 
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # "synthetic": deterministic pseudo-logits; "hf": a local HF causal LM.
-    kind: Literal["synthetic", "hf"] = "synthetic"
-    # Local model directory (kind == "hf").
-    path: str | None = None
-    # Seed of the synthetic logits.
-    seed: int = 0
-
-
 class WorkloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # JSONL workload; relative paths are taken from the working directory.
-    path: str = "../shared/data/schemas-dev.jsonl"
+    # JSONL workload (vLLM-style records, or the dev-data records as they
+    # are); a relative path is taken from the working directory.
+    path: str = "configs/workload.jsonl"
     # Use at most this many records (0 = all).
-    num_requests: int = 0
-    # Default max_tokens for records that do not set it.
-    max_tokens: int = 256
+    limit: Annotated[int, Meta(ge=0)] = 0
+    # "all": every request arrives at step 0. "per_step": ``per_step``
+    # requests arrive at each step, in file order.
+    arrival: Literal["all", "per_step"] = "all"
+    # Arrivals per step when arrival is "per_step".
+    per_step: Annotated[int, Meta(ge=1)] = 4
+    # max_tokens for records that do not set one.
+    max_tokens: Annotated[int, Meta(ge=1)] = 256
+
+    @property
+    def arrivals_per_step(self) -> int:
+        """Arrivals per step, 0 meaning all at once."""
+        return self.per_step if self.arrival == "per_step" else 0
 
 
 class OutputConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # Directory for outputs.jsonl / summary.json / check.jsonl.
+    # Directory for outputs.jsonl, summary.json, digests.jsonl and logs/.
     dir: str = "runs/local"
 
 
+class MaskBitFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # The rank that flips a bit of the mask rows it applies...
+    rank: Annotated[int, Meta(ge=0)]
+    # ...at this step. The determinism check must catch it (exit 3).
+    step: Annotated[int, Meta(ge=0)]
+
+
+class FaultsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Fault injection for tests; nothing is injected unless set.
+    flip_mask_bit: MaskBitFault | None = None
+
+
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # The rank grid {dp, pp, tp}, request streams (partitioned | replicated)
+    # and how later stages learn stage 0's decision (pp_sync).
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    # How ranks are started: torchrun, ray, inline (one process) or
-    # external (the host program made the process group).
+    # How ranks are started: torchrun, ray, inline (one process, the
+    # reference) or external (the host started the ranks and made the
+    # process group; compile is forced sync).
     launcher: Literal["torchrun", "ray", "inline", "external"] = "inline"
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
     grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     workload: WorkloadConfig = msgspec.field(default_factory=WorkloadConfig)
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
+    faults: FaultsConfig = msgspec.field(default_factory=FaultsConfig)
+
+    def __post_init__(self) -> None:
+        world = self.parallel.world_size
+        fault = self.faults.flip_mask_bit
+        if fault is not None and fault.rank >= world:
+            raise ValueError(f"faults.flip_mask_bit.rank {fault.rank} is not a rank of {world}")
+        if self.launcher == "inline" and world != 1:
+            raise ValueError(
+                f"launcher 'inline' runs one process, but parallel is dp={self.parallel.dp} "
+                f"pp={self.parallel.pp} tp={self.parallel.tp}; use torchrun or ray"
+            )
 
 
 def apply_override(data: dict[str, Any], assignment: str) -> None:

@@ -80,6 +80,12 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_spec_bytes: Annotated[int, Meta(ge=64)] = 1 << 20
     # Emit grammar-forced strings without a model step.
     jump_forward: bool = False
+    # "exact": jump only the part of the forced text that no allowed token
+    # spans (nor extends past), so a model keyed on the text so far gives
+    # the same output as without jump-forward. "greedy": jump all of it and
+    # retokenize the output's tail; fewer steps, but the model loses the
+    # choice of tokens that merge forced and free text, so outputs can differ.
+    jump_forward_mode: Literal["exact", "greedy"] = "exact"
     reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
     triggers: TriggerConfig = msgspec.field(default_factory=TriggerConfig)
 
@@ -95,9 +101,37 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Draft tokens per request per step (K). 0 disables speculation.
     num_tokens: Annotated[int, Meta(ge=0, le=16)] = 0
-    # Drafter: "none", "ngram" (prompt/output lookup) or "reference"
-    # (replays the reference instance, so drafts are often right).
-    drafter: Literal["none", "ngram", "reference"] = "none"
+    # Drafter, used only when num_tokens > 0 (K = 0 means no drafts whatever
+    # the drafter): "ngram" proposes what followed the latest earlier match
+    # of the output's tail in prompt + output; "replay" proposes the
+    # request's reference instance with deliberate, deterministic errors, so
+    # both acceptance and rejection are exercised (requests without a
+    # reference fall back to "ngram").
+    drafter: Literal["ngram", "replay"] = "ngram"
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # "synthetic": deterministic pseudo-logits keyed by (seed, request, text
+    # so far), identical on every rank; "hf": a local Hugging Face causal LM
+    # (needs the ``hf`` extra).
+    kind: Literal["synthetic", "hf"] = "synthetic"
+    # Local model directory (kind == "hf"); nothing is ever downloaded.
+    path: str | None = None
+    # Seed of the synthetic logits.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("model.path is required when model.kind is 'hf'")
+
+
+class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Softmax temperature; 0 means greedy (argmax of the masked logits).
+    temperature: Annotated[float, Meta(ge=0)] = 0.0
+    # Seed of temperature sampling. A row's draw depends only on (seed,
+    # request id, output position), so every rank and every run picks the
+    # same token from the same masked logits, whatever the batch.
+    seed: int = 0
 
 
 class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,3 +148,9 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("tokenizer.path is required when tokenizer.name is 'hf'")
         if self.name != "hf" and self.path:
             raise ValueError("tokenizer.path is only used when tokenizer.name is 'hf'")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Most requests in one step's batch (constrained and unconstrained).
+    # Sizes the bitmask buffer and the transport's ring slots.
+    max_num_seqs: Annotated[int, Meta(ge=1, le=4096)] = 32

@@ -116,7 +116,7 @@ def test_collective_has_no_chain_and_workers_have_no_links():
 
 def test_control_groups_skip_singletons_and_name_everything():
     names = [n for n, _ in layout(2, 2, 2).control_groups()]
-    assert names == ["poison", "pp_chain", "pp_chain", "tp", "tp", "tp", "tp", "world"]
+    assert names == ["poison", "pp_chain", "pp_chain", "tp", "tp", "tp", "tp", "replicas", "world"]
     assert layout(1, 1, 1).control_groups() == ()
 
 

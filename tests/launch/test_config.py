@@ -45,7 +45,13 @@ def test_errors_name_the_field(tmp_path, yaml_text, overrides, needle):
 
 def test_overrides_apply_typed_values():
     cfg = load_config(
-        None, ["grammar.compile_timeout_s=2.5", "parallel.dp=2", "grammar.jump_forward=true"]
+        None,
+        [
+            "grammar.compile_timeout_s=2.5",
+            "parallel.dp=2",
+            "launcher=torchrun",
+            "grammar.jump_forward=true",
+        ],
     )
     assert (
         cfg.grammar.compile_timeout_s == 2.5 and cfg.parallel.dp == 2 and cfg.grammar.jump_forward

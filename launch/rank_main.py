@@ -1,0 +1,266 @@
+"""The per-rank program: every launcher runs ``entry`` in each rank.
+
+``entry(job)`` takes a msgpack-encoded ``RankJob`` (the resolved config and
+paths), reads ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``
+from the environment, builds the rank's session, runs the step loop, and
+gathers every rank's report on rank 0, which writes ``outputs.jsonl``,
+``digests.jsonl`` and ``summary.json`` and returns the encoded summary.
+
+Run by hand under your own ``torchrun`` (``launcher: external``: this
+program plays the host that makes the process group, as an RL framework
+would)::
+
+    torchrun --nproc-per-node 2 -m gramcoord.launch.rank_main CONFIG [--set k=v ...]
+
+Exit status there: 0 done, 1 infrastructure failure, 2 config, 3 a
+determinism mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
+from gramcoord.launch.summary import Summary, digests_by_request, merge, write_run
+from gramcoord.launch.workload import read_workload
+from gramcoord.rank_worker.engine.loop import RankReport, run_loop
+from gramcoord.rank_worker.engine.models import make_model
+from gramcoord.rank_worker.engine.requests import EngineRequest
+from gramcoord.rank_worker.engine.sampler import Sampler
+from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
+from gramcoord.rank_worker.native_log import native_stderr_redirected
+from gramcoord.rank_worker.session.session import RankSession, SessionConfig
+
+logger = logging.getLogger("gramcoord.rank")
+
+ENTRY = "gramcoord.launch.rank_main:entry"
+
+
+class RankJob(msgspec.Struct, frozen=True, kw_only=True):
+    config: ClusterConfig
+    workload: str
+    out_dir: str
+    run_id: str
+    # Show a progress bar on rank 0.
+    progress: bool = True
+
+
+class DeterminismMismatch(RuntimeError):
+    """The end-of-run comparison found ranks that disagree (exit status 3)."""
+
+
+def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
+    """The workload's records as engine requests, in file order."""
+    out = []
+    for rec in read_workload(path, config.workload.limit):
+        out.append(
+            EngineRequest(
+                request_id=rec.id,
+                spec=rec.spec,
+                constrained=rec.constrained,
+                prompt=rec.prompt,
+                max_tokens=rec.max_tokens or config.workload.max_tokens,
+                reference=rec.reference,
+                error=rec.error,
+            )
+        )
+    return out
+
+
+class _RankLogs:
+    """This rank's log file (and the native stderr log), for the run's duration."""
+
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        logs = out_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.handler = logging.FileHandler(logs / f"rank{rank}.log")
+        self.handler.setFormatter(
+            logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+        )
+        self.logs, self.rank = logs, rank
+
+    def __enter__(self) -> _RankLogs:
+        root = logging.getLogger()
+        self._level = root.level
+        # The console keeps warnings only; the file takes the rank's INFO.
+        for h in root.handlers:
+            if h.level < logging.WARNING:
+                h.setLevel(logging.WARNING)
+        root.addHandler(self.handler)
+        self.console = None
+        if not root.handlers[:-1]:  # a rank process of its own: name the rank on stderr too
+            self.console = logging.StreamHandler(sys.stderr)
+            self.console.setLevel(logging.WARNING)
+            self.console.setFormatter(
+                logging.Formatter(f"gramcoord rank{self.rank} %(levelname)s %(name)s: %(message)s")
+            )
+            root.addHandler(self.console)
+        root.setLevel(min(self._level or logging.WARNING, logging.INFO))
+        self._native = native_stderr_redirected(self.logs, self.rank)
+        self._native.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._native.__exit__(*exc)
+        root = logging.getLogger()
+        root.removeHandler(self.handler)
+        if self.console is not None:
+            root.removeHandler(self.console)
+        root.setLevel(self._level)
+        self.handler.close()
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None, None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("run"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    task = bar.add_task("requests", total=None)
+    return bar, (lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _session(config: ClusterConfig, tokenizer, rank: int, run_id: str) -> RankSession:
+    sc = SessionConfig.of(config)
+    if config.launcher == "inline" or (
+        config.parallel.world_size == 1 and "RANK" not in os.environ
+    ):
+        return RankSession.local(tokenizer, sc)
+    if config.launcher == "external":
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # this program plays the host
+            dist.init_process_group(
+                config.distributed.backend,
+                init_method="env://",
+                timeout=__import__("datetime").timedelta(seconds=config.distributed.init_timeout_s),
+            )
+        return RankSession.attach(tokenizer, sc, run_id=run_id)
+    addr = os.environ.get("MASTER_ADDR")
+    if addr:
+        sc = msgspec.structs.replace(
+            sc, distributed=msgspec.structs.replace(sc.distributed, master_addr=addr)
+        )
+    return RankSession.start(tokenizer, sc, rank=rank, run_id=run_id)
+
+
+def run_rank(job: RankJob) -> Summary | None:
+    """This rank's whole run; rank 0 returns the summary, the others ``None``."""
+    rank = int(os.environ.get("RANK", "0"))
+    with _RankLogs(Path(job.out_dir), rank):
+        return _run_rank(job, rank)
+
+
+def _run_rank(job: RankJob, rank: int) -> Summary | None:
+    t0 = time.perf_counter()
+    config = job.config
+    out_dir = Path(job.out_dir)
+    tokenizer = load_tokenizer(config.tokenizer)
+    requests = load_requests(config, job.workload)
+    model = make_model(config.model, tokenizer)
+    sampler = Sampler(config.sampling)
+    fault = config.faults.flip_mask_bit
+    session = _session(config, tokenizer, rank, job.run_id)
+    ok = False
+    try:
+        logger.info("%s", session.layout.describe(session.rank))
+        bar, progress = _progress(job.progress and session.rank == 0)
+        try:
+            if bar is not None:
+                bar.start()
+            report = run_loop(
+                session,
+                requests,
+                model,
+                sampler,
+                config.speculative,
+                per_step=config.workload.arrivals_per_step,
+                flip_mask_bit_step=fault.step if fault and fault.rank == session.rank else -1,
+                progress=progress,
+            )
+        finally:
+            if bar is not None:
+                bar.stop()
+        data = msgspec.msgpack.encode(report)
+        if session.link is not None:
+            ranks = tuple(range(session.layout.world_size))
+            gathered = session.link.gather(0, data, ranks, step=report.steps)
+        else:
+            gathered = [data]
+        ok = True
+    finally:
+        session.close(drain=ok)
+    if rank != 0:
+        return None
+    reports = [msgspec.msgpack.decode(g, type=RankReport) for g in gathered]
+    outputs, summary = merge(
+        reports,
+        requests,
+        replicated=config.parallel.requests == "replicated",
+        wall_s=time.perf_counter() - t0,
+        config=msgspec.to_builtins(config),
+    )
+    write_run(out_dir, outputs, summary, digests_by_request(reports))
+    return summary
+
+
+def entry(job: bytes) -> bytes:
+    """The launchers' per-rank entry point (``ENTRY``)."""
+    summary = run_rank(msgspec.msgpack.decode(job, type=RankJob))
+    return msgspec.msgpack.encode(summary) if summary is not None else b""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gramcoord.launch.rank_main CONFIG`` under the user's own torchrun."""
+    p = argparse.ArgumentParser(prog="gramcoord.launch.rank_main")
+    p.add_argument("config")
+    p.add_argument("--workload")
+    p.add_argument("--out")
+    p.add_argument("--run-id", default=os.environ.get("TORCHELASTIC_RUN_ID", "external"))
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"gramcoord: config error: {exc}", file=sys.stderr)
+        return 2
+    from gramcoord.coordinator.errors import CoordinatorError
+    from gramcoord.rank_worker.engine.last_stage import DeterminismError
+    from gramcoord.sync.errors import TransportError
+
+    job = RankJob(
+        config=config,
+        workload=args.workload or config.workload.path,
+        out_dir=args.out or config.output.dir,
+        run_id=args.run_id[:16].replace("/", "_") or "external",
+    )
+    try:
+        summary = run_rank(job)
+    except DeterminismError as exc:
+        print(f"gramcoord: determinism mismatch: {exc}", file=sys.stderr)
+        return 3
+    except (CoordinatorError, TransportError) as exc:
+        print(f"gramcoord: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if summary is not None and summary.determinism.mismatches:
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

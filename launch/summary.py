@@ -1,0 +1,190 @@
+"""Merge the ranks' reports into ``outputs.jsonl``, ``digests.jsonl`` and ``summary.json``.
+
+Rank 0 gathers every rank's ``RankReport`` at the end of a run and calls
+``merge``. What each summary figure means is documented in the README
+("Run summary"). The comparison of mask digests across ranks lives here:
+every row a request's grammar masked at an output position is digested by
+each rank that applied it; all of them must agree, and in replicated mode
+every replica must produce the same outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gramcoord.launch.validity import JsonChecker
+from gramcoord.rank_worker.engine.loop import RankReport
+from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
+from gramcoord.rank_worker.engine.timings import Percentiles, percentiles
+
+
+class Mismatch(msgspec.Struct, frozen=True):
+    """A determinism failure: what differs, where, and on which ranks."""
+
+    what: str
+    request_id: str
+    position: int
+    ranks: tuple[int, ...]
+
+
+class Determinism(msgspec.Struct, kw_only=True):
+    ranks_compared: int = 0
+    # Steps whose sampled tokens and mask rows were cross-checked across TP
+    # ranks during the run (summed over the last stages).
+    steps_compared: int = 0
+    # (request, position) mask rows compared across two or more ranks.
+    rows_compared: int = 0
+    mismatches: int = 0
+    first: list[Mismatch] = msgspec.field(default_factory=list)
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    requests: dict[str, Any]
+    finish_reasons: dict[str, int]
+    tokens: dict[str, int]
+    latency_ms: dict[str, Percentiles]
+    cache: dict[str, int]
+    json_valid: dict[str, int]
+    determinism: Determinism
+    steps: int
+    wall_s: float
+    config: dict[str, Any]
+
+
+def _compare_digests(reports: Sequence[RankReport], det: Determinism) -> None:
+    seen: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
+    for rep in reports:
+        for d in rep.digests:
+            seen[(d.request_id, d.position)][rep.rank] = d.digest
+        if rep.self_mismatches:
+            det.mismatches += rep.self_mismatches
+    appliers = [r for r in reports if r.digests or (r.stats and r.stats.rows_applied)]
+    det.ranks_compared = len(appliers)
+    # Each TP group of a last stage cross-checks every step once.
+    groups = Counter((r.coords[0], r.coords[1]) for r in appliers)
+    det.steps_compared = sum(
+        r.steps for r in appliers if r.coords[2] == 0 and groups[(r.coords[0], r.coords[1])] > 1
+    )
+    for (rid, pos), by_rank in sorted(seen.items()):
+        if len(by_rank) < 2:
+            continue
+        det.rows_compared += 1
+        values = Counter(by_rank.values())
+        if len(values) > 1:
+            common = values.most_common(1)[0][0]
+            odd = tuple(sorted(r for r, v in by_rank.items() if v != common))
+            det.mismatches += 1
+            if len(det.first) < 10:
+                det.first.append(Mismatch("mask digest", rid, pos, odd))
+
+
+def _compare_replicas(origins: Sequence[RankReport], det: Determinism) -> None:
+    base = {o.id: o for o in origins[0].outputs}
+    for rep in origins[1:]:
+        for o in rep.outputs:
+            ref = base.get(o.id)
+            if ref is None or (ref.token_ids, ref.status) != (o.token_ids, o.status):
+                det.mismatches += 1
+                if len(det.first) < 10:
+                    det.first.append(Mismatch("replica output", o.id, -1, (rep.rank,)))
+
+
+def _samples(reports: Sequence[RankReport], name: str) -> list[float]:
+    return [x for r in reports for x in r.timings.get(name, ())]
+
+
+def merge(
+    reports: Sequence[RankReport],
+    requests: Sequence[EngineRequest],
+    *,
+    replicated: bool,
+    wall_s: float,
+    config: dict[str, Any],
+) -> tuple[list[OutputRecord], Summary]:
+    """Outputs in workload order, and the run's summary."""
+    origins = [r for r in reports if r.coords[1] == 0 and r.coords[2] == 0]
+    det = Determinism()
+    _compare_digests(reports, det)
+    if replicated and len(origins) > 1:
+        _compare_replicas(origins, det)
+    by_id: dict[str, OutputRecord] = {}
+    for rep in origins if not replicated else origins[:1]:
+        for o in rep.outputs:
+            by_id.setdefault(o.id, o)
+    outputs = [by_id[r.request_id] for r in requests if r.request_id in by_id]
+    checker = JsonChecker()
+    specs = {r.request_id: r.spec for r in requests}
+    for o in outputs:
+        if o.status == "ok":
+            checker.check(specs.get(o.id), o.text)
+    failed = [o for o in outputs if o.status == "failed"]
+    stats = [r.stats.manager for r in origins if r.stats and r.stats.manager]
+    compile_ms = [o.compile_ms for o in outputs if o.cache == "miss" and o.compile_ms > 0]
+    summary = Summary(
+        requests={
+            "total": len(outputs),
+            "ok": len(outputs) - len(failed),
+            "failed": len(failed),
+            "by_error": dict(Counter(o.error.code for o in failed if o.error)),
+        },
+        finish_reasons=dict(Counter(o.finish_reason for o in outputs)),
+        tokens={
+            "generated": sum(len(o.token_ids) for o in outputs),
+            "model_steps": sum(o.model_steps for o in outputs),
+            "jump_forward_tokens": sum(o.jump_forward_tokens for o in outputs),
+        },
+        latency_ms={
+            "agreement": percentiles(_samples(origins, "agreement")),
+            "mask_build": percentiles(_samples(reports, "mask_build")),
+            "transport": percentiles(_samples(reports, "transport")),
+            "apply": percentiles(_samples(reports, "apply")),
+            "compile": percentiles(compile_ms),
+        },
+        cache={
+            "hits": sum(s.hit for s in stats),
+            "misses": sum(s.miss for s in stats),
+            "poisoned_hits": sum(s.poisoned for s in stats),
+            "joined": sum(s.joined for s in stats),
+        },
+        json_valid=checker.counts(),
+        determinism=det,
+        steps=max((r.steps for r in reports), default=0),
+        wall_s=round(wall_s, 3),
+        config=config,
+    )
+    return outputs, summary
+
+
+def digests_by_request(reports: Sequence[RankReport]) -> dict[str, list[tuple[int, int]]]:
+    """One rank's view of every committed row (the lowest rank that has it)."""
+    rows: dict[tuple[str, int], int] = {}
+    for rep in sorted(reports, key=lambda r: r.rank):
+        for d in rep.digests:
+            rows.setdefault((d.request_id, d.position), d.digest)
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for (rid, pos), digest in sorted(rows.items()):
+        out[rid].append((pos, digest))
+    return dict(out)
+
+
+def write_run(
+    out_dir: Path,
+    outputs: Sequence[OutputRecord],
+    summary: Summary,
+    digests: dict[str, list[tuple[int, int]]],
+) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    enc = msgspec.json.Encoder()
+    with open(out_dir / "outputs.jsonl", "wb") as f:
+        for o in outputs:
+            f.write(enc.encode(o) + b"\n")
+    with open(out_dir / "digests.jsonl", "w") as f:
+        for rid, rows in digests.items():
+            f.write(json.dumps({"id": rid, "rows": rows}) + "\n")
+    (out_dir / "summary.json").write_bytes(msgspec.json.format(enc.encode(summary), indent=2))

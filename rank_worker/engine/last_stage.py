@@ -1,0 +1,359 @@
+"""The last pipeline stage's step: logits, masks, sampling, acceptance.
+
+Every rank of the last stage runs ``LastStage.run`` on the step's
+``BatchFrame``:
+
+- the **leader** builds the bitmask rows on a thread while the logits are
+  computed (DESIGN section 1, step 5), publishes them to its TP workers,
+  applies its own copy, samples, and then accepts the tokens into the
+  grammars, runs jump-forward, decides who finished and proposes the next
+  drafts; it returns the ``StepResults`` for stage 0;
+- a **TP worker** computes the same logits, receives the rows, applies them,
+  samples, and keeps its copy of each output from the frames.
+
+Then all TP ranks compare what they sampled and the digest of the rows they
+applied (one ``all_gather`` on the stage's tp group). A difference is a
+``DeterminismError`` that names the rank, the request and the position.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gramcoord.rank_worker.engine.frames import BatchFrame, StepResults, TokenResult
+from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
+from gramcoord.rank_worker.engine.sampler import Sampler
+from gramcoord.rank_worker.engine.timings import Timings
+from gramcoord.rank_worker.errors import GrammarError
+from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
+from gramcoord.rank_worker.session.session import MaskBatch, RankSession
+
+
+class DeterminismError(RuntimeError):
+    """Ranks that must agree sampled different tokens or applied different masks."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...], request_id: str, position: int):
+        super().__init__(message)
+        self.ranks = ranks
+        self.request_id = request_id
+        self.position = position
+
+
+@dataclass(eq=False)
+class _View:
+    request: ModelRequest
+    constrained: bool
+    max_tokens: int
+    out: list[int] = field(default_factory=list)
+    drafter: object | None = None
+
+
+def accepted_tokens(
+    picks: Sequence[int], drafts: Sequence[int], stop_ids: frozenset[int], room: int
+) -> list[int]:
+    """Greedy verification: drafts are kept while the model agrees.
+
+    ``picks[i]`` is the token sampled from row ``i`` (after drafts
+    ``0..i-1``). The first disagreement, or the bonus row, contributes the
+    model's token; a stop token ends the list; at most ``room`` tokens.
+    """
+    out: list[int] = []
+    for i, token in enumerate(picks):
+        out.append(token)
+        if i == len(drafts) or token != drafts[i] or token in stop_ids:
+            break
+    return out[: max(0, room)]
+
+
+class LastStage:
+    """One last-stage rank's part of each step; see the module docstring.
+
+    Parameters
+    ----------
+    session:
+        This rank's session (a last-stage rank).
+    model:
+        The logits source (identical on every rank).
+    sampler:
+        Greedy or seeded sampling (identical on every rank).
+    make_drafter:
+        Leader only: ``ModelRequest -> Drafter | None``.
+    flip_mask_bit:
+        Fault injection for tests: flip one bit of the first applied row at
+        this step on this rank, so the determinism check must catch it.
+    """
+
+    def __init__(
+        self,
+        session: RankSession,
+        model: LogitsSource,
+        sampler: Sampler,
+        timings: Timings,
+        *,
+        make_drafter: Callable[[ModelRequest], object | None] | None = None,
+        flip_mask_bit_step: int = -1,
+    ) -> None:
+        self.session = session
+        self.model = model
+        self.sampler = sampler
+        self.timings = timings
+        self.make_drafter = make_drafter
+        self.leader = session.is_leader
+        self.stop_ids = frozenset(session.tokenizer.stop_ids)
+        self.views: dict[str, _View] = {}
+        self.k = session.k
+        self._flip_step = flip_mask_bit_step
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-build") if self.leader else None
+        # Failures of this stage's admission (e.g. grammar_stage_timeout).
+        self.stage_failures: dict[str, tuple[str, str]] = {}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # -- one step ---------------------------------------------------------------
+
+    def run(self, frame: BatchFrame) -> StepResults | None:
+        for nr in frame.started:
+            req = ModelRequest(nr.request_id, nr.prompt_ids, nr.reference)
+            drafter = self.make_drafter(req) if self.make_drafter is not None else None
+            self.views[nr.request_id] = _View(req, nr.constrained, nr.max_tokens, drafter=drafter)
+        if not self.leader:
+            for s in frame.batch:
+                v = self.views[s.request_id]
+                if s.rollback:
+                    del v.out[len(v.out) - s.rollback :]
+                v.out.extend(s.new_tokens)
+        for rid in frame.finished:
+            self.views.pop(rid, None)
+        if self.leader:
+            return self._leader_step(frame)
+        self._worker_step(frame)
+        return None
+
+    def _leader_step(self, frame: BatchFrame) -> StepResults:
+        session = self.session
+        for f in frame.failed_upstream:
+            self.stage_failures.setdefault(f.request_id, (f.code, f.message))
+        # Report a stage failure once the request has started here; keep the
+        # others until it does.
+        errors = {r: e for r, e in self.stage_failures.items() if r in self.views}
+        for rid in errors:
+            del self.stage_failures[rid]
+        runnable = []
+        for s in frame.batch:
+            v = self.views[s.request_id]
+            if s.request_id in errors:
+                continue
+            if v.constrained and not session.is_running(s.request_id):
+                errors[s.request_id] = ("grammar_stage_timeout", "not compiled on the last stage")
+                continue
+            runnable.append(s)
+        constrained = [s.request_id for s in runnable if self.views[s.request_id].constrained]
+        drafts = {s.request_id: s.drafts for s in runnable}
+        t0 = time.perf_counter()
+        build = self._pool.submit(
+            self._build, frame.step, constrained, [drafts[r] for r in constrained]
+        )
+        logits = self._logits(runnable)
+        t1 = time.perf_counter()
+        masks, build_ms, publish_ms = build.result()
+        self.timings.add("forward", (t1 - t0) * 1e3)
+        self.timings.add("mask_build", build_ms)
+        self.timings.add("transport", publish_ms)
+        picks, row_digests = self._mask_and_sample(
+            frame.step, logits, runnable, constrained, masks.rows
+        )
+        results = [
+            TokenResult(rid, 0, (), finish_reason="error", error_code=c, error_message=m)
+            for rid, (c, m) in errors.items()
+        ]
+        for rid in errors:
+            self._drop(rid)
+        offset = 0
+        for s in runnable:
+            n = 1 + len(s.drafts)
+            results.append(
+                self._accept(s.request_id, s.drafts, picks[offset : offset + n], row_digests, masks)
+            )
+            offset += n
+        return StepResults(step=frame.step, results=tuple(results))
+
+    def _build(self, step: int, constrained: list[str], drafts: list[tuple[int, ...]]):
+        t0 = time.perf_counter()
+        masks = self.session.bitmask(constrained, drafts)
+        t1 = time.perf_counter()
+        self.session.publish(step, masks)
+        return masks, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+
+    def _worker_step(self, frame: BatchFrame) -> None:
+        reader = self.session.reader
+        t0 = time.perf_counter()
+        got = reader.receive(frame.step)
+        self.timings.add("transport", (time.perf_counter() - t0) * 1e3)
+        try:
+            constrained = list(got.request_ids)
+            keep = set(constrained)
+            runnable = [
+                s
+                for s in frame.batch
+                if not self.views[s.request_id].constrained or s.request_id in keep
+            ]
+            logits = self._logits(runnable)
+            picks, row_digests = self._mask_and_sample(
+                frame.step, logits, runnable, constrained, got.rows
+            )
+        finally:
+            reader.release(frame.step)
+        offset = 0
+        for s in runnable:
+            n = 1 + len(s.drafts)
+            v = self.views[s.request_id]
+            room = v.max_tokens - len(v.out)
+            acc = accepted_tokens(picks[offset : offset + n], s.drafts, self.stop_ids, room)
+            if s.request_id in row_digests:
+                self.session.applier.commit(
+                    s.request_id, len(v.out), row_digests[s.request_id][: len(acc)]
+                )
+            offset += n
+
+    # -- shared parts -------------------------------------------------------------
+
+    def _logits(self, runnable):
+        rows = []
+        for s in runnable:
+            v = self.views[s.request_id]
+            for i in range(len(s.drafts) + 1):
+                rows.append((v.request, v.out + list(s.drafts[:i])))
+        return self.model.logits(rows)
+
+    def _mask_and_sample(self, step, logits, runnable, constrained, rows: np.ndarray):
+        session = self.session
+        if 0 <= self._flip_step <= step and len(rows):
+            # The first step at or after the target that masks anything.
+            self._flip_step = -1
+            rows = rows.copy()
+            rows[0, 0] ^= 1
+        t0 = time.perf_counter()
+        batch = [s.request_id for s in runnable]
+        num_drafts = {s.request_id: len(s.drafts) for s in runnable}
+        step_digest, row_digests = session.apply(
+            logits, rows, batch=batch, constrained=constrained, num_drafts=num_drafts
+        )
+        self.timings.add("apply", (time.perf_counter() - t0) * 1e3)
+        keys = []
+        for s in runnable:
+            base = len(self.views[s.request_id].out)
+            keys.extend((s.request_id, base + i) for i in range(len(s.drafts) + 1))
+        picks = self.sampler.sample(logits, keys)
+        self._check_tp(step, picks, step_digest, runnable, row_digests)
+        return picks, row_digests
+
+    def _check_tp(self, step, picks, step_digest, runnable, row_digests) -> None:
+        runtime = self.session.runtime
+        if runtime is None or self.session.layout.tp == 1:
+            return
+        h = hash(tuple(picks)) & 0x7FFFFFFFFFFFFFFF
+        row = np.array([step, h, step_digest], dtype=np.int64)
+        got = runtime.all_gather("tp", row, operation="tp sample check", step=step)
+        if (got == got[0]).all():
+            return
+        ranks = runtime.members("tp")
+        odd = tuple(r for r, g in zip(ranks, got) if not (g == got[0]).all())
+        rid, pos = self._first_difference(step, runnable, row_digests)
+        raise DeterminismError(
+            f"[rank {self.session.rank}] step {step}: TP ranks {list(odd)} sampled or masked "
+            f"differently from rank {ranks[0]}; first differing row: request {rid!r}, "
+            f"position {pos}",
+            ranks=odd,
+            request_id=rid,
+            position=pos,
+        )
+
+    def _first_difference(self, step, runnable, row_digests) -> tuple[str, int]:
+        runtime = self.session.runtime
+        width = self.session.config.scheduler.max_num_seqs * (1 + self.k)
+        flat = np.zeros(width, dtype=np.int64)
+        where: list[tuple[str, int]] = []
+        for s in runnable:
+            base = len(self.views[s.request_id].out)
+            for i, d in enumerate(row_digests.get(s.request_id, ())):
+                flat[len(where)] = d
+                where.append((s.request_id, base + i))
+        got = runtime.all_gather("tp", flat, operation="tp digest exchange", step=step)
+        for j in range(len(where)):
+            if not (got[:, j] == got[0, j]).all():
+                return where[j]
+        return ("<sampled tokens>", -1)
+
+    # -- acceptance (leader) ------------------------------------------------------
+
+    def _drop(self, rid: str) -> None:
+        self.views.pop(rid, None)
+        self.session.finish(rid)
+
+    def _accept(self, rid, drafts, picks, row_digests, masks: MaskBatch) -> TokenResult:
+        session, v = self.session, self.views[rid]
+        before = list(v.out)
+        if rid in masks.failures:
+            err = masks.failures[rid]
+            session.finish(rid)
+            self.views.pop(rid)
+            return TokenResult(
+                rid,
+                0,
+                (),
+                finish_reason="error",
+                error_code=err.code.name,
+                error_message=err.message,
+            )
+        acc = accepted_tokens(picks, drafts, self.stop_ids, v.max_tokens - len(v.out))
+        if v.constrained:
+            session.applier.commit(rid, len(v.out), row_digests[rid][: len(acc)])
+        terminated = False
+        try:
+            if v.constrained:
+                terminated = session.advance(rid, acc)
+        except GrammarError as exc:
+            self._drop(rid)
+            return TokenResult(
+                rid,
+                0,
+                (),
+                finish_reason="error",
+                error_code=exc.code.name,
+                error_message=exc.message,
+            )
+        v.out.extend(acc)
+        reason = None
+        if terminated:
+            reason = "grammar_end"
+        elif acc and acc[-1] in self.stop_ids:
+            reason = "stop"
+        elif len(v.out) >= v.max_tokens:
+            reason = "length"
+        jumped = 0
+        next_drafts: tuple[int, ...] = ()
+        if reason is None and v.constrained:
+            jr = session.jump_forward(rid, v.out)
+            if jr is not None:
+                jumped = max(0, len(jr.tokens) - jr.num_rollback)
+                if len(v.out) >= v.max_tokens:
+                    del v.out[v.max_tokens :]
+                    reason = "length"
+        if reason is None and v.drafter is not None:
+            room = min(self.k, v.max_tokens - len(v.out) - 1)
+            if room > 0:
+                proposal = v.drafter.propose(v.out, room)[:room]
+                if v.constrained:
+                    proposal = session.validate_drafts(rid, proposal)
+                next_drafts = tuple(proposal)
+        rollback, tokens = retokenize_plan(before, v.out)
+        if reason is not None:
+            self._drop(rid)
+        return TokenResult(rid, rollback, tuple(tokens), next_drafts, reason, jumped=jumped)

@@ -1,0 +1,247 @@
+"""The per-rank step loop: every rank runs ``run_loop`` with its session.
+
+The roles (DESIGN section 1, "One step"):
+
+- **origin**, the stage-0 leader of a replica: submits arrivals, runs the
+  agreement (``session.step``), plans the batch and sends it on, then takes
+  the last stage's results (``Origin``);
+- **later stage leaders**: add stage 0's arrivals with stage 0's sequence
+  numbers, follow the decision, forward the batch, and on the last stage
+  build masks and accept tokens (``LastStage``);
+- **TP workers**: take the batch from the rank before them (their leader
+  on stage 0, else the same tp index on the previous stage), pass it on, and
+  on the last stage compute, mask and sample (``LastStage``).
+
+Every rank leaves the loop after the same step: stage 0 marks the last
+frame ``done`` once every replica is idle (a one-row vote among the stage-0
+leaders when dp > 1), and the frame reaches every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+import numpy as np
+
+from gramcoord.rank_worker.config import SpeculativeConfig
+from gramcoord.rank_worker.engine import frames
+from gramcoord.rank_worker.engine.drafter import make_drafter
+from gramcoord.rank_worker.engine.frames import Arrivals, BatchFrame, StageFailure, StepResults
+from gramcoord.rank_worker.engine.last_stage import LastStage
+from gramcoord.rank_worker.engine.models import LogitsSource
+from gramcoord.rank_worker.engine.origin import Origin
+from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
+from gramcoord.rank_worker.engine.sampler import Sampler
+from gramcoord.rank_worker.engine.timings import Timings
+from gramcoord.rank_worker.session.digest import DigestRecord
+from gramcoord.rank_worker.session.session import RankSession, SessionStats
+
+Progress = Callable[[int, int], None]
+# Pause of a one-process loop whose batch is empty while compiles run.
+IDLE_WAIT_S = 0.002
+
+
+class RankReport(msgspec.Struct, kw_only=True):
+    """What one rank hands back after the loop (gathered on rank 0)."""
+
+    rank: int
+    coords: tuple[int, int, int]
+    steps: int
+    wall_s: float
+    # Origin ranks: one record per request of the replica.
+    outputs: list[OutputRecord] = msgspec.field(default_factory=list)
+    # Last-stage ranks: the digest of every committed mask row.
+    digests: list[DigestRecord] = msgspec.field(default_factory=list)
+    self_mismatches: int = 0
+    stats: SessionStats | None = None
+    timings: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    bytes_sent: int = 0
+
+
+def replica_requests(
+    requests: Sequence[EngineRequest], *, dp: int, replica: int, replicated: bool
+) -> list[EngineRequest]:
+    """The requests of one replica: all of them, or every ``dp``-th."""
+    return list(requests) if replicated else list(requests[replica::dp])
+
+
+def run_loop(
+    session: RankSession,
+    requests: Sequence[EngineRequest],
+    model: LogitsSource,
+    sampler: Sampler,
+    speculative: SpeculativeConfig,
+    *,
+    per_step: int = 0,
+    flip_mask_bit_step: int = -1,
+    progress: Progress | None = None,
+) -> RankReport:
+    """Run this rank's part of every step until the run is done.
+
+    Parameters
+    ----------
+    requests:
+        The whole workload; the origin takes its replica's share.
+    per_step:
+        Arrivals per step at each origin; 0 = everything at step 0.
+    flip_mask_bit_step:
+        Fault injection: this rank flips a bit of the rows it applies at
+        that step (the determinism check must catch it).
+    progress:
+        ``(finished, total)`` after each step, on origin ranks.
+
+    Raises
+    ------
+    PeerLostError, DivergenceError, TransportError, DeterminismError
+        Infrastructure failures; the caller closes the session.
+    """
+    t_start = time.perf_counter()
+    layout, rank = session.layout, session.rank
+    c = layout.coords(rank)
+    timings = Timings()
+    tokenizer = session.tokenizer
+    last = None
+    if session.is_last_stage:
+        last = LastStage(
+            session,
+            model,
+            sampler,
+            timings,
+            make_drafter=(lambda req: make_drafter(speculative, tokenizer, req))
+            if session.is_leader
+            else None,
+            flip_mask_bit_step=flip_mask_bit_step,
+        )
+    origin = None
+    if session.is_leader and c.pp == 0:
+        mine = replica_requests(
+            requests, dp=layout.dp, replica=c.dp, replicated=layout.requests == "replicated"
+        )
+        origin = Origin(
+            mine,
+            tokenizer,
+            session.submit,
+            max_num_seqs=session.config.scheduler.max_num_seqs,
+            per_step=per_step,
+        )
+    prev_leader = layout.leader(c.dp, c.pp - 1) if c.pp > 0 else None
+    next_leader = layout.leader(c.dp, c.pp + 1) if c.pp < layout.pp - 1 else None
+    if c.pp > 0:
+        frame_src = layout.rank_of(c.dp, c.pp - 1, c.tp)
+    else:
+        frame_src = None if c.tp == 0 else layout.leader(c.dp, 0)
+    frame_dsts: list[int] = []
+    if c.pp < layout.pp - 1:
+        frame_dsts.append(layout.rank_of(c.dp, c.pp + 1, c.tp))
+    if origin is not None:
+        frame_dsts = [layout.rank_of(c.dp, 0, t) for t in range(1, layout.tp)] + frame_dsts
+    link = session.link
+    step = 0
+    try:
+        while True:
+            if origin is not None:
+                frame = _origin_step(session, origin, last, step, next_leader, frame_dsts, timings)
+                if progress is not None:
+                    progress(origin.num_finished, origin.num_requests)
+            elif session.is_leader:
+                frame = _follower_step(session, last, step, prev_leader, next_leader, timings)
+            else:
+                raw = link.recv(frame_src, operation="batch frame", step=step)
+                frame = frames.decode(raw, BatchFrame)
+                for dst in frame_dsts:
+                    link.send(dst, raw, operation="batch frame", step=step)
+                if last is not None:
+                    last.run(frame)
+            if frame.done:
+                break
+            step += 1
+    finally:
+        if last is not None:
+            last.close()
+    applier = session.applier
+    return RankReport(
+        rank=rank,
+        coords=(c.dp, c.pp, c.tp),
+        steps=step + 1,
+        wall_s=round(time.perf_counter() - t_start, 3),
+        outputs=list(origin.outputs.values()) if origin is not None else [],
+        digests=applier.digests.records() if applier is not None else [],
+        self_mismatches=len(applier.digests.self_mismatches) if applier is not None else 0,
+        stats=session.stats,
+        timings=timings.export(),
+        bytes_sent=link.bytes_sent if link is not None else 0,
+    )
+
+
+def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) -> BatchFrame:
+    link = session.link
+    arrivals = origin.arrive(step)
+    if next_leader is not None:
+        link.send(next_leader, frames.encode(arrivals), operation="arrivals", step=step)
+    t0 = time.perf_counter()
+    decided = session.step(step)
+    timings.add("agreement", (time.perf_counter() - t0) * 1e3)
+    origin.decided(decided.admitted, decided.failed)
+    done = origin.idle
+    if session.layout.dp > 1 and session.layout.requests == "partitioned":
+        # Replicated streams finish on the same step everywhere by
+        # construction; partitioned ones vote, so all replicas keep stepping
+        # (the poison exchange is a collective) until the last one is idle.
+        done = _vote_done(session, step, done)
+    frame = origin.plan(step, done=done)
+    if not frame.batch and not done and session.runtime is None:
+        # One process with nothing to run yet: compiles are pending. Peers
+        # pace multi-rank loops through their collectives; alone, don't spin.
+        time.sleep(IDLE_WAIT_S)
+    raw = frames.encode(frame)
+    for dst in frame_dsts:
+        link.send(dst, raw, operation="batch frame", step=step)
+    if last is not None:
+        results = last.run(frame)
+    else:
+        last_leader = session.layout.leader(
+            session.layout.coords(session.rank).dp, session.layout.pp - 1
+        )
+        results = frames.decode(
+            link.recv(last_leader, operation="step results", step=step), StepResults
+        )
+    origin.apply(results)
+    return frame
+
+
+def _vote_done(session: RankSession, step: int, idle: bool) -> bool:
+    row = np.array([0 if idle else 1], dtype=np.int64)
+    got = session.runtime.all_gather("replicas", row, operation="run vote", step=step)
+    return not got.any()
+
+
+def _follower_step(session, last, step, prev_leader, next_leader, timings) -> BatchFrame:
+    link = session.link
+    raw = link.recv(prev_leader, operation="arrivals", step=step)
+    if next_leader is not None:
+        link.send(next_leader, raw, operation="arrivals", step=step)
+    arrivals = frames.decode(raw, Arrivals)
+    for sub in arrivals.requests:
+        session.submit(sub.request_id, json.loads(sub.spec_json), seq=sub.seq)
+    t0 = time.perf_counter()
+    decided = session.step(step)
+    timings.add("agreement", (time.perf_counter() - t0) * 1e3)
+    failures = tuple(
+        StageFailure(o.request_id, o.code or "failed", o.message) for o in decided.stage_failed
+    )
+    frame = frames.decode(link.recv(prev_leader, operation="batch frame", step=step), BatchFrame)
+    for rid in frame.finished:
+        session.finish(rid)
+    if next_leader is not None:
+        forward = msgspec.structs.replace(frame, failed_upstream=frame.failed_upstream + failures)
+        link.send(next_leader, frames.encode(forward), operation="batch frame", step=step)
+        return frame
+    for f in failures:
+        last.stage_failures.setdefault(f.request_id, (f.code, f.message))
+    results = last.run(frame)
+    origin_rank = session.layout.leader(session.layout.coords(session.rank).dp, 0)
+    link.send(origin_rank, frames.encode(results), operation="step results", step=step)
+    return frame

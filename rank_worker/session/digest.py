@@ -1,0 +1,69 @@
+"""Digests of the mask rows every rank applied: the determinism evidence.
+
+Each rank that applies bitmask rows to logits (the last stage's leader and
+its TP workers, or the one inline process) records, per request and output
+position, an 8-byte blake2b digest of the row it applied. Ranks that applied
+the same rows hold equal digests, and so does the one-process reference run
+on the same workload; ``gramcoord verify`` and the run summary compare them.
+
+Positions are output positions: row ``i`` of a request with ``n`` output
+tokens so far masks the token at position ``n + i`` (the bonus row and draft
+rows included). A row that is rebuilt for the same position after a rejected
+draft must digest the same, so the first digest is kept and a different one
+is counted as a self-mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import msgspec
+import numpy as np
+
+
+def row_digest(row: np.ndarray) -> int:
+    """A signed 64-bit blake2b digest of one int32 bitmask row."""
+    d = hashlib.blake2b(np.ascontiguousarray(row).data, digest_size=8).digest()
+    return int.from_bytes(d, "little", signed=True)
+
+
+class DigestRecord(msgspec.Struct, frozen=True, array_like=True):
+    """One applied row: request id, output position, digest."""
+
+    request_id: str
+    position: int
+    digest: int
+
+
+class MaskDigests:
+    """The digests one rank recorded, in the order it applied them."""
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[str, int], int] = {}
+        self.self_mismatches: list[tuple[str, int]] = []
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def record(self, request_id: str, position: int, digest: int) -> None:
+        key = (request_id, position)
+        old = self._rows.setdefault(key, digest)
+        if old != digest:
+            self.self_mismatches.append(key)
+
+    def records(self) -> list[DigestRecord]:
+        return [DigestRecord(r, p, d) for (r, p), d in self._rows.items()]
+
+    @staticmethod
+    def index(records: Iterable[DigestRecord]) -> dict[tuple[str, int], int]:
+        return {(r.request_id, r.position): r.digest for r in records}
+
+
+def combine(digests: Iterable[int]) -> int:
+    """Order-sensitive signed 64-bit combination of row digests (one per step)."""
+    h = hashlib.blake2b(digest_size=8)
+    for d in digests:
+        h.update(int(d).to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little", signed=True)

@@ -1,0 +1,443 @@
+"""The per-rank session: the one object that drives a rank's structured output.
+
+Engines embed it, and gramcoord's own step loop (``rank_worker.engine``)
+uses nothing else. One ``RankSession`` per process; what it holds depends
+on the rank's role in the ``ParallelLayout``:
+
+================  =======================================================
+role              holds
+================  =======================================================
+stage leader      a ``GrammarManager`` and its per-step ``Admission``
+last-stage leader also the grammar states, the ``BitmaskBuilder``,
+                  jump-forward and (tp > 1) the bitmask channel writer
+last-stage worker a ``MaskReader``: receives, applies and releases rows
+other TP workers  nothing grammar-related
+================  =======================================================
+
+Calls, in step order (see DESIGN section 14):
+
+- ``submit(request_id, spec)``: stage leaders, on arrival, in the same order
+  on every leader of a chain; never raises.
+- ``step(n)``: every stage leader, once per step, at a point every rank
+  reaches, whether or not constrained requests are scheduled: it is the one
+  collective (agreement, poison exchange, decision down the chain).
+- ``bitmask(ids, drafts)`` then ``publish(n, batch)``: the last-stage leader,
+  while the logits are computed.
+- ``apply(logits, batch, ...)``: every last-stage rank (leader and workers).
+- ``advance`` / ``validate_drafts`` / ``rollback`` / ``jump_forward``: the
+  last-stage leader, after sampling.
+- ``finish`` / ``abort``: every stage leader; ``close`` everyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+import torch
+
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.coordinator.external import FORCED_COMPILE_MODE, attach_external
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.links import ByteLink
+from gramcoord.coordinator.runtime import Runtime
+from gramcoord.rank_worker.config import GrammarConfig, SchedulerConfig, SpeculativeConfig
+from gramcoord.rank_worker.errors import ErrorCode, GrammarError
+from gramcoord.rank_worker.grammars.admission import Admission
+from gramcoord.rank_worker.grammars.manager import GrammarManager, ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.masks.gate import Gate
+from gramcoord.rank_worker.masks.grammar_state import GrammarState
+from gramcoord.rank_worker.masks.jump_forward import JumpForward, JumpResult, JumpStats
+from gramcoord.rank_worker.session.applier import MaskApplier
+from gramcoord.rank_worker.session.reader import MaskReader
+from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
+from gramcoord.sync.config import TransportConfig
+
+logger = logging.getLogger(__name__)
+
+
+class StaleGrammarState(RuntimeError):
+    """A mask was asked for a request whose sampled tokens were never advanced.
+
+    The rows would describe the grammar one step behind the model (the
+    "Failed to advance FSM" bug class of vLLM #45015), so the session
+    refuses instead of masking with a stale state.
+    """
+
+
+class SessionConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The config sections a session reads (a subset of the cluster config)."""
+
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
+    grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+    @classmethod
+    def of(cls, config: Any) -> SessionConfig:
+        """Take the session's sections from a larger config (e.g. ``ClusterConfig``)."""
+        return cls(**{f: getattr(config, f) for f in cls.__struct_fields__})
+
+
+class StepOutcome(NamedTuple):
+    """What ``step`` decided on this rank: requests admitted and failed."""
+
+    admitted: list[Outcome]
+    failed: list[Outcome]
+    # The failed requests that the decision admitted: they failed on this
+    # pipeline stage alone (a later stage's compile did not finish in time),
+    # so stage 0 learns of them only from this stage.
+    stage_failed: list[Outcome]
+
+
+class MaskBatch(NamedTuple):
+    """The bitmask rows of one step (view valid until the next ``bitmask`` call)."""
+
+    # int32 [len(request_ids) * (1 + K), W].
+    rows: np.ndarray
+    request_ids: tuple[str, ...]
+    # Draft tokens per request, aligned with request_ids.
+    num_drafts: tuple[int, ...]
+    # request id -> why its rows are unusable (the request must fail).
+    failures: dict[str, GrammarError]
+
+
+class SessionStats(msgspec.Struct, kw_only=True):
+    """Typed counters of one session."""
+
+    manager: ManagerStats | None = None
+    jump_forward: JumpStats | None = None
+    masks_built: int = 0
+    rows_applied: int = 0
+    transport_dropped: int = 0
+
+
+class RankSession:
+    """One rank's structured-output session; build with a classmethod.
+
+    Parameters
+    ----------
+    layout:
+        The world's layout.
+    rank:
+        This rank.
+    runtime:
+        The control runtime, or ``None`` for a single process.
+    tokenizer:
+        The vocabulary; its name is part of every grammar key.
+    config:
+        The session's config sections.
+    run_id:
+        Names this run's shared-memory segments and sockets.
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        rank: int,
+        runtime: Runtime | None,
+        tokenizer: Tokenizer,
+        config: SessionConfig,
+        *,
+        run_id: str | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.config = config
+        self.k = config.speculative.num_tokens
+        self.is_leader = layout.is_stage_leader(rank)
+        self.is_last_stage = layout.is_last_stage(rank)
+        self.link = ByteLink(runtime) if runtime is not None else None
+        self.manager: GrammarManager | None = None
+        self.admission: Admission | None = None
+        self.builder: BitmaskBuilder | None = None
+        self.jump: JumpForward | None = None
+        self.channel: BitmaskChannel | None = None
+        self.reader: MaskReader | None = None
+        self.applier: MaskApplier | None = None
+        self._states: dict[str, GrammarState] = {}
+        self._awaiting: set[str] = set()
+        self._gate = Gate.from_config(config.grammar)
+        self._stats = SessionStats()
+        width = (tokenizer.vocab_size + 31) // 32
+        max_seqs = config.scheduler.max_num_seqs
+        try:
+            if self.is_leader:
+                self.manager = GrammarManager(config.grammar, tokenizer)
+                self.admission = (
+                    Admission.build(self.manager, layout, runtime, config.distributed)
+                    if runtime is not None
+                    else Admission(self.manager, None)
+                )
+            if self.is_last_stage:
+                self.applier = MaskApplier(
+                    width, max_num_seqs=max_seqs, num_speculative_tokens=self.k
+                )
+            if self.is_leader and self.is_last_stage:
+                self.builder = BitmaskBuilder(
+                    tokenizer.vocab_size, max_num_seqs=max_seqs, num_speculative_tokens=self.k
+                )
+                self.jump = JumpForward.from_config(config.grammar, tokenizer)
+            if self.is_last_stage and layout.tp > 1:
+                self._connect_transport(run_id or secrets.token_hex(4))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def local(cls, tokenizer: Tokenizer, config: SessionConfig | None = None) -> RankSession:
+        """A one-process session (no torch.distributed): the reference topology."""
+        config = config or SessionConfig()
+        layout = ParallelLayout.build(ParallelConfig(), 1)
+        return cls(layout, 0, None, tokenizer, config)
+
+    @classmethod
+    def start(
+        cls, tokenizer: Tokenizer, config: SessionConfig, *, rank: int, run_id: str | None = None
+    ) -> RankSession:
+        """Create the world (``MASTER_ADDR``/``MASTER_PORT`` rendezvous) and join it."""
+        layout = ParallelLayout.build(config.parallel, config.parallel.world_size)
+        if layout.world_size == 1:
+            return cls(layout, 0, None, tokenizer, config, run_id=run_id)
+        runtime = Runtime.start(layout, rank=rank, distributed=config.distributed)
+        try:
+            return cls(layout, rank, runtime, tokenizer, config, run_id=run_id)
+        except BaseException:
+            runtime.close(drain=False)
+            raise
+
+    @classmethod
+    def attach(
+        cls, tokenizer: Tokenizer, config: SessionConfig, *, run_id: str | None = None
+    ) -> RankSession:
+        """Join a world the host made (external launcher): compile is forced sync."""
+        world = attach_external(config.parallel, config.distributed)
+        grammar = msgspec.structs.replace(config.grammar, compile_mode=FORCED_COMPILE_MODE)
+        config = msgspec.structs.replace(config, grammar=grammar)
+        try:
+            return cls(
+                world.layout, world.runtime.rank, world.runtime, tokenizer, config, run_id=run_id
+            )
+        except BaseException:
+            world.runtime.close(drain=False)
+            raise
+
+    def _connect_transport(self, run_id: str) -> None:
+        assert self.link is not None
+        c = self.layout.coords(self.rank)
+        group = self.layout.tp_group(c.dp, c.pp)
+        vocab = self.tokenizer.vocab_size
+        if self.is_leader:
+            names = [f"rank{r}" for r in group[1:]]
+            self.channel = BitmaskChannel(
+                readers=names,
+                vocab_size=vocab,
+                max_rows=self.config.scheduler.max_num_seqs * (1 + self.k),
+                config=self.config.transport,
+                run_id=run_id,
+                label=f"dp{c.dp}",
+            )
+            data = msgspec.msgpack.encode(self.channel.handle)
+            for r in group[1:]:
+                self.link.send(r, data, operation="transport handle", step=-1)
+            self.channel.accept()
+            logger.info("[rank %d] bitmask channel: %s", self.rank, self.channel.modes)
+        else:
+            data = self.link.recv(group[0], operation="transport handle", step=-1)
+            handle = msgspec.msgpack.decode(data, type=ChannelHandle)
+            self.reader = MaskReader.connect(handle, f"rank{self.rank}", vocab_size=vocab)
+
+    # -- admission (stage leaders) ---------------------------------------------
+
+    def _need(self, what: str, obj: Any) -> Any:
+        if obj is None:
+            raise RuntimeError(f"[rank {self.rank}] {what} is not available on this rank's role")
+        return obj
+
+    def submit(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+        """Admit one request for compilation; never raises for bad input.
+
+        Returns an ``Outcome``: ``failed`` at once (bad spec, poisoned key,
+        bad id), else ``pending`` or ``waiting`` until a ``step`` decides.
+        ``seq`` pins the sequence number (followers of a chain pass stage
+        0's); it must increase.
+        """
+        manager = self._need("submit", self.manager)
+        try:
+            return manager.add(request_id, spec, seq=seq)
+        except ValueError as exc:  # a sequence number that does not increase
+            return Outcome(
+                request_id=request_id if isinstance(request_id, str) else str(request_id)[:64],
+                seq=-1 if seq is None else seq,
+                status="failed",
+                code=ErrorCode.bad_request_id.name,
+                message=f"bad sequence number: {exc}",
+            )
+
+    def step(self, step: int) -> StepOutcome:
+        """The per-step collective: agree on readiness and apply the decision.
+
+        Raises
+        ------
+        PeerLostError, DivergenceError
+            Infrastructure failures; they end the run.
+        """
+        admission = self._need("step", self.admission)
+        outcomes = admission.step(step)
+        admitted = [o for o in outcomes if o.status == "admitted"]
+        failed = [o for o in outcomes if o.status == "failed"]
+        if self.builder is not None:
+            for o in admitted:
+                self._states[o.request_id] = GrammarState.from_matcher(
+                    self.manager.matcher(o.request_id),
+                    vocab_size=self.tokenizer.vocab_size,
+                    gate=self._gate,
+                )
+        ready = admission.last_ready
+        return StepOutcome(admitted, failed, [o for o in failed if o.seq in ready])
+
+    # -- masks (last-stage leader) -------------------------------------------
+
+    def is_running(self, request_id: str) -> bool:
+        """Whether ``request_id`` was admitted here and has a grammar state."""
+        return request_id in self._states
+
+    def state(self, request_id: str) -> GrammarState:
+        try:
+            return self._states[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not running on rank {self.rank}") from None
+
+    def validate_drafts(self, request_id: str, drafts: Sequence[int]) -> list[int]:
+        """The longest grammar-valid prefix of ``drafts`` (state unchanged)."""
+        return trim_drafts(self.state(request_id), drafts)
+
+    def bitmask(
+        self, request_ids: Sequence[str], drafts: Sequence[Sequence[int]] | None = None
+    ) -> MaskBatch:
+        """Fill the rows of ``request_ids`` (drafts included).
+
+        The rows are a view of the builder's buffer, valid until the next
+        call; copy them (``rows.copy()``) to keep them longer.
+
+        Raises
+        ------
+        StaleGrammarState
+            A request's previous rows were built but its sampled tokens were
+            never passed to ``advance``.
+        """
+        builder = self._need("bitmask", self.builder)
+        stale = [r for r in request_ids if r in self._awaiting]
+        if stale:
+            raise StaleGrammarState(
+                f"[rank {self.rank}] requests {stale[:4]} were masked last step but never "
+                "advanced; call advance() with the sampled tokens first"
+            )
+        states = [self.state(r) for r in request_ids]
+        built = builder.build(states, drafts)
+        self._awaiting.update(request_ids)
+        self._stats.masks_built += 1
+        ids = tuple(request_ids)
+        num_drafts = tuple(len(d) for d in drafts) if drafts is not None else (0,) * len(ids)
+        failures = {ids[i]: err for i, err in built.failures.items()}
+        return MaskBatch(built.bitmask, ids, num_drafts, failures)
+
+    def publish(self, step: int, batch: MaskBatch) -> None:
+        """Send ``batch`` to this stage's TP workers (no-op without workers)."""
+        if self.channel is not None:
+            self.channel.publish(step, batch.rows, batch.request_ids, batch.num_drafts)
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        *,
+        batch: Sequence[str],
+        constrained: Sequence[str],
+        num_drafts: Mapping[str, int],
+    ) -> tuple[int, dict[str, tuple[int, ...]]]:
+        """Mask ``logits`` in place with ``rows``; see ``MaskApplier.apply``."""
+        applier = self._need("apply", self.applier)
+        out = applier.apply(
+            logits, rows, batch=batch, constrained=constrained, num_drafts=num_drafts
+        )
+        self._stats.rows_applied += sum(1 + num_drafts.get(r, 0) for r in constrained)
+        return out
+
+    def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
+        """Accept sampled ``tokens``; returns whether the grammar terminated.
+
+        Raises
+        ------
+        GrammarError
+            A token the grammar rejects (the request must fail).
+        """
+        state = self.state(request_id)
+        self._awaiting.discard(request_id)
+        state.accept_tokens(tokens)
+        return state.is_terminated
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        self.state(request_id).rollback(num_tokens)
+
+    def jump_forward(self, request_id: str, output: list[int]) -> JumpResult | None:
+        """Append grammar-forced tokens to ``output`` (in place), if enabled."""
+        if self.jump is None:
+            return None
+        return self.jump.jump(self.state(request_id), output)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def finish(self, request_id: str) -> None:
+        """Forget a finished request (every stage leader, same step)."""
+        self._states.pop(request_id, None)
+        self._awaiting.discard(request_id)
+        if self.manager is not None:
+            self.manager.finish(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; True if it was live."""
+        self._states.pop(request_id, None)
+        self._awaiting.discard(request_id)
+        return self.manager.abort(request_id) if self.manager is not None else False
+
+    @property
+    def stats(self) -> SessionStats:
+        s = self._stats
+        s.manager = self.manager.stats if self.manager is not None else None
+        s.jump_forward = self.jump.stats if self.jump is not None else None
+        if self.channel is not None:
+            s.transport_dropped = self.channel.dropped
+        elif self.reader is not None:
+            s.transport_dropped = self.reader.dropped
+        return s
+
+    def close(self, *, drain: bool = True) -> None:
+        """Release the transport, the compile pool and the control groups."""
+        for what, fn in (
+            ("reader", self.reader.close if self.reader else None),
+            ("channel", self.channel.close if self.channel else None),
+            ("manager", self.manager.close if self.manager else None),
+            ("runtime", (lambda: self.runtime.close(drain=drain)) if self.runtime else None),
+        ):
+            if fn is None:
+                continue
+            try:
+                fn()
+            except Exception as exc:  # one failing part still lets the others go
+                logger.warning("[rank %d] closing the %s failed: %s", self.rank, what, exc)
+        self.reader = self.channel = None
+        self.manager = None
+        self.runtime = None

@@ -1,0 +1,256 @@
+"""The fast side of ``gramcoord run`` / ``verify``: refusals before any process, packaging.
+
+Nothing here starts a rank: a bad config or bad inputs must be refused with
+exit status 2 (and the field's path) before the launcher is ever called.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gramcoord.launch.run as run_mod
+from gramcoord.launch import rank_main
+from gramcoord.launch.cli import main
+from tests.launch.e2e_support import CONFIGS, ROOT, LeakGuard, squash, write_workload
+from tests.launch.entries import descendants
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything tries to start the ranks."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("a rank was launched")
+
+    monkeypatch.setattr(run_mod, "launch", refuse)
+    before = descendants()
+    yield calls
+    assert calls == []
+    assert descendants() - before == set()
+
+
+@pytest.fixture
+def workload(tmp_path):
+    return write_workload(tmp_path / "w.jsonl", ["gramcoord/choice/sentiment"])
+
+
+BAD_CONFIGS = [
+    pytest.param("parallel: {dp: 2\n", [], "not valid YAML", id="yaml-syntax"),
+    pytest.param("parallel: {dp: two}\n", [], "$.parallel.dp", id="wrong-type"),
+    pytest.param("parallel: {dp: 2, dpp: 3}\n", [], "dpp", id="unknown-field"),
+    pytest.param("paralel: {dp: 2}\n", [], "paralel", id="unknown-section"),
+    pytest.param("launcher: torchrun\n", ["parallel.dp=two"], "$.parallel.dp", id="override-type"),
+    pytest.param(
+        "launcher: inline\nparallel: {dp: 2}\n", [], "launcher 'inline'", id="cross-field"
+    ),
+]
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+@pytest.mark.parametrize(("yaml_text", "overrides", "needle"), BAD_CONFIGS)
+def test_bad_config_exits_2_naming_the_field(
+    tmp_path, workload, capsys, no_launch, command, yaml_text, overrides, needle
+):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    argv = [command, str(cfg), "--workload", str(workload), "--out", str(tmp_path / "out")]
+    for item in overrides:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and needle in err, err
+    assert str(cfg) in err or overrides
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_field_message_names_its_section(tmp_path, workload, capsys, no_launch):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("parallel: {dp: 2, dpp: 3}\n")
+    assert main(["run", str(cfg), "--workload", str(workload)]) == 2
+    err = capsys.readouterr().err
+    assert "$.parallel" in err and "dpp" in err, err
+
+
+@pytest.mark.parametrize(("yaml_text", "overrides", "needle"), BAD_CONFIGS)
+def test_rank_main_refuses_a_bad_config_with_2(tmp_path, capsys, yaml_text, overrides, needle):
+    """The per-rank program under the user's torchrun: same check, same status."""
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml_text)
+    argv = [str(cfg), "--out", str(tmp_path / "out")]
+    for item in overrides:
+        argv += ["--set", item]
+    before = descendants()
+    assert rank_main.main(argv) == 2
+    assert needle in capsys.readouterr().err
+    assert descendants() - before == set()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+@pytest.mark.parametrize(
+    ("overrides", "workload_name", "needle"),
+    [
+        pytest.param([], "missing.jsonl", "not found", id="missing-workload"),
+        pytest.param(
+            ["model.kind=hf", "model.path=/nonexistent/model"],
+            None,
+            "is not a directory",
+            id="missing-model",
+        ),
+        pytest.param(["launcher=external"], None, "gramcoord.launch.rank_main", id="external"),
+    ],
+)
+def test_bad_inputs_exit_2_before_any_process(
+    tmp_path, workload, capsys, no_launch, monkeypatch, command, overrides, workload_name, needle
+):
+    monkeypatch.setenv("COLUMNS", "1000")
+    path = tmp_path / workload_name if workload_name else workload
+    argv = [command, str(CONFIGS / "local.yaml"), "--workload", str(path)]
+    argv += ["--out", str(tmp_path / "out")]
+    for item in overrides:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    out = squash(capsys.readouterr().out)
+    assert needle in out, out
+    assert not (tmp_path / "out").exists()
+
+
+def test_shipped_configs_name_their_launcher():
+    """Each multi-rank config the e2e tests use starts the topology they assume."""
+    from gramcoord.launch.config import load_config
+
+    expect = {
+        "local.yaml": ("torchrun", 2, 1, 2),
+        "pp.yaml": ("torchrun", 1, 2, 2),
+        "replicated.yaml": ("torchrun", 2, 1, 1),
+        "ray.yaml": ("ray", 2, 1, 1),
+        "external-launcher.yaml": ("external", 2, 1, 1),
+    }
+    for name, want in expect.items():
+        c = load_config(CONFIGS / name)
+        assert (c.launcher, c.parallel.dp, c.parallel.pp, c.parallel.tp) == want, name
+
+
+# -- packaging ------------------------------------------------------------------
+
+_SOURCES = ("pyproject.toml", "README.md", "coordinator", "rank_worker", "sync", "launch")
+
+
+def _copy_sources(dst: Path) -> Path:
+    """The files a build reads, copied, so the build never writes into the checkout."""
+    import shutil
+
+    dst.mkdir()
+    for name in _SOURCES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dst / name)
+    return dst
+
+
+def _pip_install_target(src: Path, target: Path) -> subprocess.CompletedProcess:
+    base = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+    args = ["--target", str(target), str(src)]
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    # With this venv's setuptools: no index needed.
+    proc = subprocess.run(
+        [*base, "--no-build-isolation", "--no-index", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    if proc.returncode != 0:  # e.g. no setuptools here: an isolated build fetches it
+        proc = subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=240)
+    return proc
+
+
+@pytest.mark.timeout(300)
+def test_pip_install_adds_exactly_one_top_level_name(tmp_path):
+    src = _copy_sources(tmp_path / "src")
+    target = tmp_path / "target"
+    proc = _pip_install_target(src, target)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    top = sorted(p.name for p in target.iterdir())
+    extra = [n for n in top if n not in ("gramcoord", "bin") and not n.endswith(".dist-info")]
+    assert extra == [], top
+    assert "gramcoord" in top and sum(n.endswith(".dist-info") for n in top) == 1, top
+    # `gramcoord` is a namespace package holding exactly the four subpackages,
+    # each with every module of its source folder.
+    pkg = target / "gramcoord"
+    assert not (pkg / "__init__.py").exists()
+    assert sorted(p.name for p in pkg.iterdir()) == sorted(_SOURCES[2:])
+    for sub in _SOURCES[2:]:
+        have = {p.relative_to(pkg / sub) for p in (pkg / sub).rglob("*.py")}
+        want = {p.relative_to(ROOT / sub) for p in (ROOT / sub).rglob("*.py")}
+        assert have == want, (sub, want ^ have)
+    # The installed copy imports from the target, as `gramcoord.*` only.
+    code = (
+        "import importlib.util as u, gramcoord.launch.cli as c;"
+        "print(c.__file__);"
+        "print([n for n in ('coordinator','rank_worker','sync','launch') if u.find_spec(n)])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    path, names = run.stdout.splitlines()
+    assert Path(path).is_relative_to(target) and names == "[]", run.stdout
+
+
+def test_editable_install_exposes_only_gramcoord(tmp_path):
+    """Outside the checkout, the generic folder names are not importable."""
+    code = (
+        "import importlib.util as u, gramcoord.launch.cli as c, gramcoord.rank_worker.engine.loop;"
+        "print(c.__file__);"
+        "print([n for n in ('coordinator','rank_worker','sync','launch') if u.find_spec(n)])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    path, names = run.stdout.splitlines()
+    assert Path(path).resolve() == (ROOT / "launch" / "cli.py").resolve()
+    assert names == "[]", run.stdout
+
+
+# -- the e2e tests' leak guard guards ----------------------------------------------
+
+
+def test_leak_guard_sees_a_left_process_and_segment():
+    guard = LeakGuard()
+    proc = subprocess.Popen(["sleep", "60"])
+    seg = Path("/dev/shm") / f"gramcoord-guardtest-x-{os.getpid()}-0123abcd"
+    seg.write_bytes(b"x")
+    try:
+        with pytest.raises(AssertionError, match="processes left behind"):
+            guard.check(timeout=0.3)
+        proc.kill()
+        proc.wait()
+        with pytest.raises(AssertionError, match=seg.name):
+            guard.check(timeout=0.3)
+    finally:
+        proc.kill()
+        proc.wait()
+        seg.unlink(missing_ok=True)
+    guard.check(timeout=0.3)
