@@ -1,5 +1,6 @@
-"""Jump-forward: forced text without model steps, retokenization at the
-boundary, and identical outputs on the dev schemas."""
+"""Jump-forward: forced text without model steps, the exact mode's safe
+prefix, greedy retokenization at the boundary, and identical outputs on the
+dev schemas (more in ``test_jump_identity.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import xgrammar as xgr
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.replay_model import ReplayModel
+from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
@@ -73,7 +74,7 @@ def test_jump_emits_forced_text_and_matches_direct_acceptance(
     # "|" separates pieces the model emitted as separate tokens.
     output = [t for part in prefix.split("|") if part for t in qwen_tokenizer.encode(part)]
     state.accept_tokens(output)
-    jf = JumpForward(qwen_tokenizer, window=window)
+    jf = JumpForward(qwen_tokenizer, mode="greedy", window=window)
     result = jf.jump(state, output)
     assert result is not None
     assert result.num_rollback == rollback
@@ -105,7 +106,7 @@ def test_window_stops_at_the_constraint_start(qwen_tokenizer, compile_json):
     state = GrammarState(compiled, gate=Gate(think_end_ids=[end]))
     output = [*qwen_tokenizer.encode("hmm"), end]
     state.accept_tokens(output)
-    result = JumpForward(qwen_tokenizer).jump(state, output)
+    result = JumpForward(qwen_tokenizer, mode="greedy").jump(state, output)
     assert result is not None and result.num_rollback == 0
     assert output[: len(output) - len(result.tokens)] == [*qwen_tokenizer.encode("hmm"), end]
     assert qwen_tokenizer.decode(result.tokens) == '{"name": "'
@@ -117,17 +118,35 @@ def test_config_switch(qwen_tokenizer, enabled, expected):
     assert isinstance(JumpForward.from_config(config, qwen_tokenizer), expected)
 
 
-def test_dev_schemas_same_text_fewer_steps(qwen_tokenizer, dev_pool):
-    """Greedy outputs with and without jump-forward are the same text; the
-    forced text costs no model step."""
+@pytest.mark.parametrize("mode", ["exact", "greedy"])
+def test_config_mode(qwen_tokenizer, mode):
+    assert GrammarConfig().jump_forward_mode == "exact"
+    config = GrammarConfig(jump_forward=True, jump_forward_mode=mode)
+    assert JumpForward.from_config(config, qwen_tokenizer).mode == mode
+
+
+def test_bad_arguments(qwen_tokenizer):
+    with pytest.raises(ValueError, match="mode"):
+        JumpForward(qwen_tokenizer, mode="fast")
+    with pytest.raises(ValueError, match="hold_back"):
+        JumpForward(qwen_tokenizer, hold_back=True)
+    with pytest.raises(ValueError, match="max_scan_bytes"):
+        JumpForward(qwen_tokenizer, max_scan_bytes=0)
+
+
+@pytest.mark.parametrize("mode", ["exact", "greedy"])
+def test_dev_schemas_same_text_fewer_steps(qwen_tokenizer, dev_pool, mode):
+    """Outputs that follow a valid reference are the same text with and
+    without jump-forward; the forced text costs no model step."""
     plain = GreedyDecoder(qwen_tokenizer)
+    model = SyntheticModel(qwen_tokenizer)
     steps = {False: 0, True: 0}
     for sid, compiled, text in dev_pool[False][:12]:
-        model = ReplayModel(qwen_tokenizer, text)
-        jf = JumpForward(qwen_tokenizer)
+        request = ModelRequest(sid, reference=text)
+        jf = JumpForward(qwen_tokenizer, mode=mode)
         with_jf = GreedyDecoder(qwen_tokenizer, jump_forward=jf)
-        a = plain.decode(GrammarState(compiled), model)
-        b = with_jf.decode(GrammarState(compiled), model)
+        a = plain.decode(GrammarState(compiled), model, request)
+        b = with_jf.decode(GrammarState(compiled), model, request)
         assert a.finish_reason == b.finish_reason == "stop", sid
         assert a.text == b.text == text, sid
         assert b.num_steps <= a.num_steps, sid
@@ -141,7 +160,7 @@ def test_hold_back_leaves_an_extensible_last_token(qwen_tokenizer, compile_json)
     compiled = compile_json(qwen_tokenizer, PERSON, any_whitespace=False)
     state = GrammarState(compiled)
     output: list[int] = []
-    jf = JumpForward(qwen_tokenizer, hold_back=True)
+    jf = JumpForward(qwen_tokenizer, mode="greedy", hold_back=True)
     result = jf.jump(state, output)
     assert result is not None
     # ' "' could merge with the value's first characters: left to the model.
@@ -150,9 +169,10 @@ def test_hold_back_leaves_an_extensible_last_token(qwen_tokenizer, compile_json)
     assert jf.plan(state, output) is None
 
 
-def greedy_tokenizer(pieces: list[str]) -> Tokenizer:
+def greedy_tokenizer(pieces: list[str | bytes]) -> Tokenizer:
     """Bytes plus ``pieces``, encoded greedily longest-first; one stop."""
-    token_bytes = [bytes([i]) for i in range(256)] + [p.encode() for p in pieces] + [b"</s>"]
+    extra = [p if isinstance(p, bytes) else p.encode() for p in pieces]
+    token_bytes = [bytes([i]) for i in range(256)] + extra + [b"</s>"]
     index = {b: i for i, b in enumerate(token_bytes[:-1])}
     longest = max(len(b) for b in token_bytes)
 
@@ -184,7 +204,96 @@ def test_hold_back_never_gives_back_emitted_text():
     state.accept_tokens(output)
     # 'alphabet' spans the emitted 'alph' and is extended by 'alphabets':
     # holding it back would take 'alph' away again.
-    result = JumpForward(tok, hold_back=True).jump(state, output)
+    result = JumpForward(tok, mode="greedy", hold_back=True).jump(state, output)
     assert result is not None and result.num_rollback == 1
     assert output == tok.encode("alphabet")
     assert_same_state(state, compiled, output)
+
+
+# -- exact mode ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("grammar", "pieces", "jumped"),
+    [
+        pytest.param('"abcd" [0-9]', [], "abcd", id="bytes-only"),
+        pytest.param('"abcd" [0-9]', ["bc"], "abcd", id="inside-token"),
+        # "abc" spans 1 and 2, "bcd" spans 3; nothing runs past the end.
+        pytest.param('"abcd" [0-9]', ["abc", "bcd"], "abcd", id="later-boundary-safe"),
+        # "d1" runs past the end from offset 3: only boundaries <= 3.
+        pytest.param('"abcd" [0-9]', ["d1"], "abc", id="merge-at-end"),
+        pytest.param('"abcd" [0-9]', ["ab", "cd1"], "ab", id="merge-from-inside"),
+        pytest.param('"abcd" [0-9]', ["abc", "bcd", "d1"], None, id="no-safe-boundary"),
+        pytest.param('"abcd" [0-9]', ["abcd5"], None, id="merge-from-start"),
+        # "é" is c3 a9: a boundary between them is never jumped to.
+        pytest.param('"x\u00e9" [0-9]', [b"\xa91"], "x", id="utf8-merge-at-end"),
+        pytest.param('"x\u00e9" [0-9]', [b"x\xc3", b"\xa91"], None, id="utf8-inside-char"),
+        pytest.param('"x\u00e9" [0-9]', [b"x\xc3"], "x\u00e9", id="utf8-token-across"),
+    ],
+)
+def test_exact_jumps_the_largest_safe_prefix(grammar, pieces, jumped):
+    tok = greedy_tokenizer(pieces)
+    compiled = xgr.GrammarCompiler(tok.info).compile_grammar(f"root ::= {grammar}")
+    state = GrammarState(compiled)
+    jf = JumpForward(tok)
+    forced = state.matcher.find_jump_forward_string()
+    assert forced == grammar.split('"')[1]
+    output: list[int] = []
+    result = jf.jump(state, output)
+    if jumped is None:
+        assert result is None and output == []
+        assert jf.stats.num_forced_bytes_left == len(forced.encode())
+        return
+    assert result is not None
+    assert (result.num_rollback, result.forced) == (0, jumped)
+    assert output == tok.encode(jumped)
+    assert_same_state(state, compiled, output)
+    assert jf.stats.num_forced_bytes_left == len(forced.encode()) - len(jumped.encode())
+    assert jf.plan(state, output) is None, "the largest safe boundary was taken"
+
+
+def test_exact_scan_limit():
+    tok = greedy_tokenizer([])
+    compiled = xgr.GrammarCompiler(tok.info).compile_grammar('root ::= "abcdef" [0-9]')
+    state = GrammarState(compiled)
+    output: list[int] = []
+    jf = JumpForward(tok, max_scan_bytes=2)
+    assert jf.jump(state, output).forced == "ab"
+    assert jf.jump(state, output).forced == "cd"
+
+
+@pytest.mark.parametrize(
+    ("schema", "prefix", "jumped"),
+    [
+        # ' "' is left: tokens such as ' "$' merge it with the value.
+        pytest.param(PERSON, "", '{"name":', id="object-start"),
+        pytest.param(PERSON, '{"name": "Al", "age', '":', id="key"),
+        # The issue's example: at '[[{' the model may pick '}],'.
+        pytest.param(
+            {
+                "type": "array",
+                "items": False,
+                "prefixItems": [{"type": "array", "items": False, "prefixItems": [{}, {}]}],
+            },
+            "[[",
+            None,
+            id="bracket-merge",
+        ),
+        pytest.param(ALPHABET, '"al', 'phabet"', id="enum"),
+    ],
+)
+def test_exact_on_qwen_never_retokenizes(qwen_tokenizer, compile_json, schema, prefix, jumped):
+    compiled = compile_json(qwen_tokenizer, schema, any_whitespace=False)
+    state = GrammarState(compiled)
+    output = qwen_tokenizer.encode(prefix)
+    state.accept_tokens(output)
+    before = list(output)
+    jf = JumpForward(qwen_tokenizer)
+    result = jf.jump(state, output)
+    if jumped is None:
+        assert result is None and output == before
+        return
+    assert result.num_rollback == 0 and result.forced == jumped
+    assert output == before + qwen_tokenizer.encode(jumped)
+    assert_same_state(state, compiled, output)
+    assert jf.stats.num_tokens_replaced == 0
