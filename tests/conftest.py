@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import secrets
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ import pytest
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
+from gramcoord.sync.janitor import remove
+from tests.sync.transport_peers import ipc_dirs, shm_names
 
 # $GRAMCOORD_DATA_DIR, else the full set in ../shared/data when it is there,
 # else the repo's own subset in tests/data (tests/data/README.md).
@@ -56,3 +60,22 @@ def dev_schemas() -> list[dict]:
         rec["label"] = labels.get(rec["id"], {})
         out.append(rec)
     return out
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A run id unique to this test; every segment the test makes carries it.
+
+    After the test, anything of this run left in /dev/shm or the temp dir is
+    removed and reported as a leak.
+    """
+    rid = f"t{secrets.token_hex(5)}"
+    yield rid
+    # A killed child's reaper removes its names a moment after the kill.
+    deadline = time.monotonic() + 5
+    while (shm_names(rid) or ipc_dirs(rid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leaked = [("shm", n) for n in shm_names(rid)] + [("dir", d) for d in ipc_dirs(rid)]
+    for kind, name in leaked:
+        remove(kind, name)
+    assert not leaked, f"transport leaked {leaked}"

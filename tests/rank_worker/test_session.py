@@ -4,8 +4,6 @@ apply/commit digests, typed stats, and the TP reader path over a real channel.""
 from __future__ import annotations
 
 import math
-import secrets
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -28,7 +26,6 @@ from gramcoord.rank_worker.session.session import (
 )
 from gramcoord.sync.channel import BitmaskChannel
 from gramcoord.sync.config import TransportConfig
-from gramcoord.sync.janitor import remove
 from tests.rank_worker.session_helpers import (
     admit,
     allowed,
@@ -36,7 +33,6 @@ from tests.rank_worker.session_helpers import (
     session_config,
     settle,
 )
-from tests.sync.transport_peers import ipc_dirs, shm_names
 
 REGEX = "ab(c|d)ef"
 
@@ -454,20 +450,6 @@ def test_stats_with_jump_forward(tiny_tokenizer):
 
 
 # -- the TP reader path ---------------------------------------------------------
-
-
-@pytest.fixture
-def run_id():
-    """A run id for the channel; nothing of it may be left on disk afterwards."""
-    rid = f"t{secrets.token_hex(5)}"
-    yield rid
-    deadline = time.monotonic() + 5
-    while (shm_names(rid) or ipc_dirs(rid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    leaked = [("shm", n) for n in shm_names(rid)] + [("dir", d) for d in ipc_dirs(rid)]
-    for kind, name in leaked:
-        remove(kind, name)
-    assert not leaked, f"transport leaked {leaked}"
 
 
 def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):

@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 from queue import Empty
 
 import pytest
 
 from gramcoord.launch.procs import ProcGroup
-from gramcoord.sync.janitor import remove
-from tests.sync.transport_peers import ipc_dirs, shm_names
-
-
-@pytest.fixture
-def run_id() -> str:
-    """A run id unique to this test; every segment the test makes carries it.
-
-    After the test, anything of this run left in /dev/shm or the temp dir is
-    removed and reported as a leak.
-    """
-    rid = f"t{secrets.token_hex(5)}"
-    yield rid
-    # A killed child's reaper removes its names a moment after the kill.
-    deadline = time.monotonic() + 5
-    while (shm_names(rid) or ipc_dirs(rid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    leaked = [("shm", n) for n in shm_names(rid)] + [("dir", d) for d in ipc_dirs(rid)]
-    for kind, name in leaked:
-        remove(kind, name)
-    assert not leaked, f"transport leaked {leaked}"
 
 
 class Peers(ProcGroup):
