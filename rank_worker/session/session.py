@@ -34,90 +34,37 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
-from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.coordinator.config import ParallelConfig
 from gramcoord.coordinator.external import FORCED_COMPILE_MODE, attach_external
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
-from gramcoord.rank_worker.config import GrammarConfig, SchedulerConfig, SpeculativeConfig
-from gramcoord.rank_worker.errors import ErrorCode, GrammarError
+from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.admission import Admission
-from gramcoord.rank_worker.grammars.manager import GrammarManager, ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
-from gramcoord.rank_worker.masks.jump_forward import JumpForward, JumpResult, JumpStats
+from gramcoord.rank_worker.masks.jump_forward import JumpForward, JumpResult
 from gramcoord.rank_worker.session.applier import MaskApplier
 from gramcoord.rank_worker.session.reader import MaskReader
+from gramcoord.rank_worker.session.types import (
+    MaskBatch,
+    SessionConfig,
+    SessionStats,
+    StaleGrammarState,
+    StepOutcome,
+)
 from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
-from gramcoord.sync.config import TransportConfig
 
 logger = logging.getLogger(__name__)
-
-
-class StaleGrammarState(RuntimeError):
-    """A mask was asked for a request whose sampled tokens were never advanced.
-
-    The rows would describe the grammar one step behind the model (the
-    "Failed to advance FSM" bug class of vLLM #45015), so the session
-    refuses instead of masking with a stale state.
-    """
-
-
-class SessionConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """The config sections a session reads (a subset of the cluster config)."""
-
-    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
-    grammar: GrammarConfig = msgspec.field(default_factory=GrammarConfig)
-    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
-    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
-    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
-
-    @classmethod
-    def of(cls, config: Any) -> SessionConfig:
-        """Take the session's sections from a larger config (e.g. ``ClusterConfig``)."""
-        return cls(**{f: getattr(config, f) for f in cls.__struct_fields__})
-
-
-class StepOutcome(NamedTuple):
-    """What ``step`` decided on this rank: requests admitted and failed."""
-
-    admitted: list[Outcome]
-    failed: list[Outcome]
-    # The failed requests that the decision admitted: they failed on this
-    # pipeline stage alone (a later stage's compile did not finish in time),
-    # so stage 0 learns of them only from this stage.
-    stage_failed: list[Outcome]
-
-
-class MaskBatch(NamedTuple):
-    """The bitmask rows of one step (view valid until the next ``bitmask`` call)."""
-
-    # int32 [len(request_ids) * (1 + K), W].
-    rows: np.ndarray
-    request_ids: tuple[str, ...]
-    # Draft tokens per request, aligned with request_ids.
-    num_drafts: tuple[int, ...]
-    # request id -> why its rows are unusable (the request must fail).
-    failures: dict[str, GrammarError]
-
-
-class SessionStats(msgspec.Struct, kw_only=True):
-    """Typed counters of one session."""
-
-    manager: ManagerStats | None = None
-    jump_forward: JumpStats | None = None
-    masks_built: int = 0
-    rows_applied: int = 0
-    transport_dropped: int = 0
 
 
 class RankSession:
