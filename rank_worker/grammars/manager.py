@@ -364,6 +364,17 @@ class GrammarManager:
 
     # -- running requests ---------------------------------------------------
 
+    def state_of(self, request_id: str) -> Literal["waiting", "pending", "running", "unknown"]:
+        """Where a live request is: queued, in the pending window, or admitted."""
+        seq = self._seq_of.get(request_id)
+        if seq is None:
+            return "unknown"
+        if seq in self._pending:
+            return "pending"
+        if request_id in self._running:
+            return "running"
+        return "waiting"
+
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; True if it was live."""
         seq = self._seq_of.pop(request_id, None)

@@ -257,6 +257,15 @@ class RankSession:
 
     # -- masks (last-stage leader) -------------------------------------------
 
+    def request_state(self, request_id: str) -> str:
+        """``waiting`` | ``pending`` (compiling or undecided) | ``running`` | ``unknown``.
+
+        Stage leaders only. A request leaves ``pending`` only through a
+        ``step`` decision, identically on every rank of its group;
+        ``unknown`` covers finished, aborted and failed requests.
+        """
+        return self._need("request_state", self.manager).state_of(request_id)
+
     def is_running(self, request_id: str) -> bool:
         """Whether ``request_id`` was admitted here and has a grammar state."""
         return request_id in self._states

@@ -518,3 +518,29 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
         leader.close()  # closes the channel too
         worker.close()
     assert leader.channel is None
+
+
+def test_request_state_follows_the_lifecycle(tiny_tokenizer):
+    from gramcoord.rank_worker.config import GrammarConfig, SchedulerConfig
+    from gramcoord.rank_worker.session import SessionConfig
+
+    config = SessionConfig(
+        grammar=GrammarConfig(max_pending=1, compile_mode="sync"),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+    )
+    session = RankSession.local(tiny_tokenizer, config)
+    try:
+        assert session.submit("a", {"regex": "[a-z]+"}).status == "pending"
+        assert session.submit("b", {"regex": "[0-9]+"}).status == "waiting"
+        assert session.request_state("a") == "pending"
+        assert session.request_state("b") == "waiting"
+        assert session.request_state("nope") == "unknown"
+        admitted = session.step(0).admitted
+        assert [o.request_id for o in admitted] == ["a"]
+        assert session.request_state("a") == "running"
+        assert session.request_state("b") == "pending"
+        session.finish("a")
+        assert session.request_state("a") == "unknown"
+        assert session.abort("b") and session.request_state("b") == "unknown"
+    finally:
+        session.close()
