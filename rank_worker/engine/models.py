@@ -80,6 +80,10 @@ _CLOSERS = ('"', "}", "]")
 _NUM_BACKGROUNDS = 16
 # Separators preferred off the reference when no closer is allowed.
 _SEPARATORS = (":", ",")
+# Punctuation that moves a pattern along ("[0-9]+-[0-9]+", "[a-z]+\.[a-z]+")
+# when neither a closer nor a separator is allowed yet; without it a pattern
+# that repeats a character class could loop on its background favourite.
+_PATTERN_MARKS = ("-", ".", "_", "/", "@")
 # Scores. The background is standard normal, far below every boost.
 _ON_REFERENCE = 100.0  # + the token's length in bytes: longest wins
 _STOP_AT_END = 100.0
@@ -87,6 +91,7 @@ _FALLBACK_STOP = 40.0
 _CLOSER = 30.0  # + 0.1 x (number of closers after it)
 _SEPARATOR = 25.0
 _HASHED_PICK = 20.0  # + 0, 1, 2
+_PATTERN_MARK = 15.0
 # Added to whitespace-only tokens' background, so that, where JSON allows
 # any whitespace, the structure goes on instead.
 _WHITESPACE = -10.0
@@ -139,9 +144,10 @@ class SyntheticModel:
       the reference's end the stop token does;
     - in every other case, and below those scores whenever the reference
       cannot be continued, the stop token scores 40, closing punctuation
-      about 30, ``:`` and ``,`` 25 and three tokens picked by a hash of
-      ``(seed, request_id, text)`` 20-22, so generation tends to close the
-      structure and end.
+      about 30, ``:`` and ``,`` 25, three tokens picked by a hash of
+      ``(seed, request_id, text)`` 20-22 and pattern punctuation (``-`` ``.``
+      ``_`` ``/`` ``@``) 15, so generation tends to close the structure and
+      end.
 
     Under a grammar mask the best allowed boost wins; when every boosted
     token is masked, the background row decides, which is where requests
@@ -170,6 +176,11 @@ class SyntheticModel:
         stops = tokenizer.stop_ids
         self._stop_at_end = [(t, _STOP_AT_END + (t == tokenizer.eos_id)) for t in stops]
         self._fallback = [
+            *(
+                (self._index[c.encode()], _PATTERN_MARK)
+                for c in _PATTERN_MARKS
+                if c.encode() in self._index
+            ),
             *(
                 (self._index[c.encode()], _SEPARATOR)
                 for c in _SEPARATORS

