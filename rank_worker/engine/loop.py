@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import msgspec
-import numpy as np
 
 from gramcoord.rank_worker.config import SpeculativeConfig
 from gramcoord.rank_worker.engine import frames
@@ -190,7 +189,7 @@ def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) 
         # Replicated streams finish on the same step everywhere by
         # construction; partitioned ones vote, so all replicas keep stepping
         # (the poison exchange is a collective) until the last one is idle.
-        done = _vote_done(session, step, done)
+        done = session.all_done(step, done)
     frame = origin.plan(step, done=done)
     if not frame.batch and not done and session.runtime is None:
         # One process with nothing to run yet: compiles are pending. Peers
@@ -210,12 +209,6 @@ def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) 
         )
     origin.apply(results)
     return frame
-
-
-def _vote_done(session: RankSession, step: int, idle: bool) -> bool:
-    row = np.array([0 if idle else 1], dtype=np.int64)
-    got = session.runtime.all_gather("replicas", row, operation="run vote", step=step)
-    return not got.any()
 
 
 def _follower_step(session, last, step, prev_leader, next_leader, timings) -> BatchFrame:

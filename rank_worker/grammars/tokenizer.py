@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import importlib.resources
 import logging
 from pathlib import Path
@@ -146,8 +147,96 @@ class Tokenizer:
         self.full_info = xgr.TokenizerInfo(token_bytes, xgr.VocabType.RAW, **kw)
 
     def encode(self, text: str) -> list[int]:
-        """Encode ordinary text; special-token text is encoded as plain bytes."""
+        """Encode ordinary text; special-token text is encoded as plain bytes.
+
+        Raises
+        ------
+        TokenizerError
+            The vocabulary came without an encoder (``from_info`` with none).
+        """
+        if self._encoder is None:
+            raise TokenizerError(f"vocabulary {self.name!r} has no encoder")
         return list(self._encoder(text))
+
+    @property
+    def can_encode(self) -> bool:
+        """Whether ``encode`` works (jump-forward and prompts need it)."""
+        return self._encoder is not None
+
+    def fingerprint(self) -> int:
+        """Signed 64-bit digest of the name, every token's bytes and the stop ids.
+
+        Ranks whose fingerprints differ would compile different grammars
+        under the same key; sessions compare them when they attach.
+        """
+        h = hashlib.blake2b(digest_size=8)
+        h.update(self.name.encode("utf-8") + b"\0")
+        for t in self.token_bytes:
+            h.update(len(t).to_bytes(4, "little") + t)
+        h.update(repr((self.stop_ids, sorted(self.special_ids.values()))).encode())
+        return int.from_bytes(h.digest(), "little", signed=True)
+
+    @classmethod
+    def from_info(
+        cls,
+        info: xgr.TokenizerInfo,
+        name: str,
+        *,
+        encode=None,
+        vocab_size: int | None = None,
+    ) -> Tokenizer:
+        """The host engine's vocabulary, as its ``xgrammar.TokenizerInfo`` gives it.
+
+        Parameters
+        ----------
+        info:
+            The host's tokenizer info (any vocab type: xgrammar has already
+            decoded every token to bytes).
+        name:
+            A name for this vocabulary, identical on every rank; it is part
+            of every grammar key, so two vocabularies never share a cache
+            entry.
+        encode:
+            ``text -> token ids`` (the host tokenizer's ``encode`` without
+            special tokens); ``None`` turns jump-forward off.
+        vocab_size:
+            The model's padded vocabulary (lm_head rows), if larger than the
+            info's.
+
+        Raises
+        ------
+        TokenizerError
+            An empty name, no stop token, or a vocab_size below the info's.
+        """
+        if not name or not isinstance(name, str):
+            raise TokenizerError("a host vocabulary needs a non-empty name")
+        decoded = [bytes(t) for t in info.decoded_vocab]
+        size = max(info.vocab_size, len(decoded))
+        if vocab_size is not None:
+            if vocab_size < size:
+                raise TokenizerError(f"vocab_size {vocab_size} is below the vocabulary's {size}")
+            size = vocab_size
+        token_bytes = decoded + [b""] * (size - len(decoded))
+        stops = tuple(int(t) for t in info.stop_token_ids)
+        if not stops:
+            raise TokenizerError(f"vocabulary {name!r} declares no stop token")
+        specials = {f"<special:{i}>": int(i) for i in info.special_token_ids}
+        for i in stops:
+            specials.setdefault(f"<stop:{i}>", i)
+        return cls(
+            name=name, token_bytes=token_bytes, special_ids=specials, stop_ids=stops, encoder=encode
+        )
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer, name: str, *, vocab_size: int | None = None) -> Tokenizer:
+        """A host's Hugging Face tokenizer (already loaded), under ``name``."""
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        return cls.from_info(
+            info,
+            name,
+            encode=lambda text: hf_tokenizer.encode(text, add_special_tokens=False),
+            vocab_size=vocab_size,
+        )
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         tb = self.token_bytes

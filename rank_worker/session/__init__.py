@@ -12,6 +12,7 @@ from gramcoord.rank_worker.session.types import (
     SessionStats,
     StaleGrammarState,
     StepOutcome,
+    VocabularyMismatch,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "SessionStats",
     "StaleGrammarState",
     "StepOutcome",
+    "VocabularyMismatch",
 ]

@@ -61,6 +61,7 @@ from gramcoord.rank_worker.session.types import (
     SessionStats,
     StaleGrammarState,
     StepOutcome,
+    VocabularyMismatch,
 )
 from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
 
@@ -119,6 +120,8 @@ class RankSession:
         width = (tokenizer.vocab_size + 31) // 32
         max_seqs = config.scheduler.max_num_seqs
         try:
+            if runtime is not None:
+                self._check_vocabulary()
             if self.is_leader:
                 self.manager = GrammarManager(config.grammar, tokenizer)
                 self.admission = (
@@ -134,7 +137,14 @@ class RankSession:
                 self.builder = BitmaskBuilder(
                     tokenizer.vocab_size, max_num_seqs=max_seqs, num_speculative_tokens=self.k
                 )
-                self.jump = JumpForward.from_config(config.grammar, tokenizer)
+                if tokenizer.can_encode:
+                    self.jump = JumpForward.from_config(config.grammar, tokenizer)
+                elif config.grammar.jump_forward:
+                    logger.warning(
+                        "[rank %d] jump-forward is off: vocabulary %r came without an encoder",
+                        rank,
+                        tokenizer.name,
+                    )
             if self.is_last_stage and layout.tp > 1:
                 self._connect_transport(run_id or secrets.token_hex(4))
         except BaseException:
@@ -180,6 +190,21 @@ class RankSession:
         except BaseException:
             world.runtime.close(drain=False)
             raise
+
+    def _check_vocabulary(self) -> None:
+        """Every rank must hold the same vocabulary (one all_gather, at attach)."""
+        mine = np.array([self.tokenizer.fingerprint(), self.tokenizer.vocab_size], np.int64)
+        got = self.runtime.all_gather("world", mine, operation="vocabulary check", step=-1)
+        ranks = self.runtime.members("world")
+        odd = tuple(r for r, row in zip(ranks, got) if not (row == got[0]).all())
+        if odd:
+            raise VocabularyMismatch(
+                f"[rank {self.rank}] ranks {list(odd)} attached a different vocabulary than "
+                f"rank {ranks[0]} (this rank: {self.tokenizer.name!r}, "
+                f"{self.tokenizer.vocab_size} tokens); every rank must pass the same "
+                "tokenizer and vocabulary name",
+                ranks=odd,
+            )
 
     def _connect_transport(self, run_id: str) -> None:
         assert self.link is not None
@@ -255,6 +280,21 @@ class RankSession:
         ready = admission.last_ready
         return StepOutcome(admitted, failed, [o for o in failed if o.seq in ready])
 
+    def all_done(self, step: int, done: bool) -> bool:
+        """Whether every replica's stage-0 leader is done (one tiny all_gather).
+
+        DP replicas with partitioned streams finish at different steps, but
+        ``step`` is a collective among their stage-0 leaders (the poison
+        exchange), so they must keep stepping until all of them are done.
+        Call it on every stage-0 leader once per step, after ``step``;
+        without peers it returns ``done``.
+        """
+        if self.runtime is None or not self.runtime.members("replicas"):
+            return done
+        row = np.array([0 if done else 1], dtype=np.int64)
+        got = self.runtime.all_gather("replicas", row, operation="done vote", step=step)
+        return not got.any()
+
     # -- masks (last-stage leader) -------------------------------------------
 
     def request_state(self, request_id: str) -> str:
@@ -281,12 +321,17 @@ class RankSession:
         return trim_drafts(self.state(request_id), drafts)
 
     def bitmask(
-        self, request_ids: Sequence[str], drafts: Sequence[Sequence[int]] | None = None
+        self,
+        request_ids: Sequence[str],
+        drafts: Sequence[Sequence[int]] | None = None,
+        *,
+        copy: bool = False,
     ) -> MaskBatch:
         """Fill the rows of ``request_ids`` (drafts included).
 
         The rows are a view of the builder's buffer, valid until the next
-        call; copy them (``rows.copy()``) to keep them longer.
+        call. A scheduler that pipelines steps (builds step n+1 before step
+        n's rows are applied) passes ``copy=True`` to own its rows.
 
         Raises
         ------
@@ -308,7 +353,8 @@ class RankSession:
         ids = tuple(request_ids)
         num_drafts = tuple(len(d) for d in drafts) if drafts is not None else (0,) * len(ids)
         failures = {ids[i]: err for i, err in built.failures.items()}
-        return MaskBatch(built.bitmask, ids, num_drafts, failures)
+        rows = built.bitmask.copy() if copy else built.bitmask
+        return MaskBatch(rows, ids, num_drafts, failures)
 
     def publish(self, step: int, batch: MaskBatch) -> None:
         """Send ``batch`` to this stage's TP workers (no-op without workers)."""

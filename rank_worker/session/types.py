@@ -24,6 +24,18 @@ class StaleGrammarState(RuntimeError):
     """
 
 
+class VocabularyMismatch(RuntimeError):
+    """Ranks of one world attached with different vocabularies.
+
+    Raised on every rank at attach, before any request runs: grammars keyed
+    by one vocabulary would mask another's token ids.
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class SessionConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The config sections a session reads (a subset of the cluster config)."""
 

@@ -544,3 +544,48 @@ def test_request_state_follows_the_lifecycle(tiny_tokenizer):
         assert session.abort("b") and session.request_state("b") == "unknown"
     finally:
         session.close()
+
+
+def test_bitmask_copy_outlives_the_next_build(tiny_tokenizer):
+    from gramcoord.rank_worker.config import GrammarConfig
+    from gramcoord.rank_worker.session import SessionConfig
+
+    session = RankSession.local(
+        tiny_tokenizer, SessionConfig(grammar=GrammarConfig(compile_mode="sync"))
+    )
+    try:
+        session.submit("a", {"regex": "ab"})
+        session.step(0)
+        kept = session.bitmask(["a"], copy=True)
+        first = kept.rows.copy()
+        session.advance("a", [ord("a")])
+        session.bitmask(["a"])  # overwrites the builder's buffer
+        assert (kept.rows == first).all()
+    finally:
+        session.close()
+
+
+def test_host_vocabulary_from_tokenizer_info(tiny_tokenizer):
+    from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, TokenizerError
+
+    host = Tokenizer.from_info(tiny_tokenizer.info, "host-vocab", vocab_size=288)
+    assert host.vocab_size == 288 and host.stop_ids == tiny_tokenizer.stop_ids
+    assert not host.can_encode
+    assert host.fingerprint() != Tokenizer.from_info(tiny_tokenizer.info, "other").fingerprint()
+    assert (
+        host.fingerprint()
+        == Tokenizer.from_info(tiny_tokenizer.info, "host-vocab", vocab_size=288).fingerprint()
+    )
+    with pytest.raises(TokenizerError):
+        host.encode("x")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_info(tiny_tokenizer.info, "")
+    session = RankSession.local(host)
+    try:
+        assert session.submit("a", {"regex": "[a-z]+"}).status == "pending"
+        while not session.step(0).admitted:
+            pass
+        rows = session.bitmask(["a"]).rows
+        assert rows.shape == (1, (288 + 31) // 32)
+    finally:
+        session.close()
