@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from typing import IO
 
 import msgspec
@@ -28,6 +29,7 @@ from gramcoord.launch.config import ClusterConfig
 from gramcoord.launch.workload import WorkloadRecord, read_workload
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
+from gramcoord.rank_worker.native_log import native_stderr_redirected
 
 _STATUS = {"grammar_timeout": "timeout", "grammar_pool_saturated": "saturated"}
 
@@ -201,9 +203,15 @@ def run_check(
 
 
 def main_check(config: ClusterConfig, workload: str, out_path: str | None) -> int:
-    if out_path:
-        with open(out_path, "wb") as out:
-            run_check(config, workload, out)
-    else:
-        run_check(config, workload, sys.stdout.buffer)
+    # xgrammar's C++ warnings go to a log file, not the console; the ones a
+    # request can own are in its line's warnings already.
+    logs = Path(config.output.dir) / "logs"
+    with native_stderr_redirected(logs, 0) as native:
+        if out_path:
+            with open(out_path, "wb") as out:
+                run_check(config, workload, out)
+        else:
+            run_check(config, workload, sys.stdout.buffer)
+    if native.stat().st_size:
+        print(f"native library messages: {native}", file=sys.stderr)
     return 0
