@@ -184,6 +184,7 @@ class Tokenizer:
         *,
         encode=None,
         vocab_size: int | None = None,
+        special_ids=(),
     ) -> Tokenizer:
         """The host engine's vocabulary, as its ``xgrammar.TokenizerInfo`` gives it.
 
@@ -202,6 +203,9 @@ class Tokenizer:
         vocab_size:
             The model's padded vocabulary (lm_head rows), if larger than the
             info's.
+        special_ids:
+            More special-token ids (besides the info's): never allowed in
+            constrained text unless they are stop tokens.
 
         Raises
         ------
@@ -220,7 +224,7 @@ class Tokenizer:
         stops = tuple(int(t) for t in info.stop_token_ids)
         if not stops:
             raise TokenizerError(f"vocabulary {name!r} declares no stop token")
-        specials = {f"<special:{i}>": int(i) for i in info.special_token_ids}
+        specials = {f"<special:{i}>": int(i) for i in (*info.special_token_ids, *special_ids)}
         for i in stops:
             specials.setdefault(f"<stop:{i}>", i)
         return cls(
@@ -231,11 +235,17 @@ class Tokenizer:
     def from_hf(cls, hf_tokenizer, name: str, *, vocab_size: int | None = None) -> Tokenizer:
         """A host's Hugging Face tokenizer (already loaded), under ``name``."""
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
+        added = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
         return cls.from_info(
             info,
             name,
             encode=lambda text: hf_tokenizer.encode(text, add_special_tokens=False),
             vocab_size=vocab_size,
+            # Special and added control tokens never appear in constrained text.
+            special_ids=(
+                *getattr(hf_tokenizer, "all_special_ids", ()),
+                *(i for i, t in added.items() if getattr(t, "special", False)),
+            ),
         )
 
     def decode_bytes(self, ids: list[int]) -> bytes:

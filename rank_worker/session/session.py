@@ -177,12 +177,35 @@ class RankSession:
 
     @classmethod
     def attach(
-        cls, tokenizer: Tokenizer, config: SessionConfig, *, run_id: str | None = None
+        cls,
+        tokenizer: Tokenizer,
+        config: SessionConfig,
+        *,
+        run_id: str | None = None,
+        force_sync: bool = True,
     ) -> RankSession:
-        """Join a world the host made (external launcher): compile is forced sync."""
+        """Join a world the host made (external launcher).
+
+        Parameters
+        ----------
+        force_sync:
+            Compile inline at admission (the external-launcher default of
+            DESIGN section 2), so readiness needs no collective. ``False``
+            keeps ``grammar.compile_mode`` as configured: with ``async`` the
+            host must call ``step`` on every rank every step, and the
+            agreement then keeps the ranks' batches identical however their
+            compile times differ.
+        """
         world = attach_external(config.parallel, config.distributed)
-        grammar = msgspec.structs.replace(config.grammar, compile_mode=FORCED_COMPILE_MODE)
-        config = msgspec.structs.replace(config, grammar=grammar)
+        if force_sync:
+            grammar = msgspec.structs.replace(config.grammar, compile_mode=FORCED_COMPILE_MODE)
+            config = msgspec.structs.replace(config, grammar=grammar)
+        else:
+            logger.info(
+                "[rank %d] external launcher with compile_mode %r kept (force_sync=False)",
+                world.runtime.rank,
+                config.grammar.compile_mode,
+            )
         try:
             return cls(
                 world.layout, world.runtime.rank, world.runtime, tokenizer, config, run_id=run_id

@@ -1,0 +1,35 @@
+"""Structured output for host engines and libraries that run their own step loop.
+
+Each integration wraps one ``RankSession`` (``gramcoord.rank_worker.session``)
+per process and keeps the session's collectives at a point every rank
+reaches, never inside a path that runs only when constrained rows are
+scheduled.
+
+========================  =======================================================
+module                    integration
+========================  =======================================================
+``hf``                    Hugging Face ``generate`` on one process or on
+                          data-parallel ranks (``torchrun``, gloo), e.g. GRPO
+                          rollouts: ``GenerateSession`` (``prepare`` before
+                          ``generate``, ``finish`` after it) and its
+                          ``GrammarLogitsProcessor``. Needs ``transformers``
+                          (the ``hf`` extra).
+``vllm_backend``          vLLM V1-shaped backend, grammar and manager over a
+                          session (vLLM itself is not imported).
+``sglang_manager``        SGLang-shaped grammar manager over a session: the
+                          get-ready call is ``RankSession.step`` (SGLang itself
+                          is not imported).
+``sglang_grammar``        SGLang-shaped grammar objects (``BaseGrammarObject``
+                          methods) over the request's session state.
+``examples.hf_generate``  runnable ``hf`` example: tiny in-process Qwen2 model,
+                          real Qwen2.5 vocabulary, ``python -m`` or
+                          ``torchrun -m``.
+``examples.vllm_engine``  runnable miniature vLLM-shaped engine on the
+                          ``vllm_backend`` adapter.
+``examples.sglang_        runnable miniature SGLang scheduler loop on the
+scheduler``               ``sglang_manager`` drop-in.
+========================  =======================================================
+
+The modules are not imported here, so ``gramcoord.rank_worker.integrations``
+imports without their optional dependencies.
+"""

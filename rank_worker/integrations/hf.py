@@ -1,0 +1,725 @@
+"""Structured output for Hugging Face ``generate``, on one process or on data-parallel ranks.
+
+A ``GenerateSession`` wraps one ``RankSession`` per process. Every rank runs
+its own ``model.generate`` on its own prompts (``parallel.requests:
+partitioned``, e.g. GRPO rollouts where each rank samples for its share of
+the batch) or on the same prompts (``replicated``); gramcoord agrees on which
+grammars compiled, shares failed ones, and masks each rank's rows locally.
+
+Where each call goes
+--------------------
+Everything runs on the host thread that calls ``generate``; nothing here
+starts a thread (a session made with ``RankSession.start`` compiles on its
+own pool).
+
+==========================================  ===============================================
+call                                        who, when
+==========================================  ===============================================
+``GenerateSession.create(hf_tokenizer)``    every rank, once, after the host's
+                                            ``init_process_group`` (``RankSession.attach``;
+                                            compile forced ``sync``), or in a single
+                                            process (``RankSession.local``). Or wrap a
+                                            ``RankSession`` yourself: ``GenerateSession(s)``
+``prepare([(request_id, spec), ...])``      every rank, before each ``generate``, with that
+                                            rank's requests (an empty list is fine): the
+                                            only calls with collectives
+``logits_processor(request_ids)``           every rank, after ``prepare``: one processor per
+                                            ``generate`` call, one request id per batch row
+``GrammarLogitsProcessor.__call__``         inside ``generate``, once per decoding step this
+                                            rank still runs: local work only
+``finish(processor, sequences)``            every rank, after ``generate`` returned: local
+``close()``                                 every rank, at the end
+==========================================  ===============================================
+
+No collective inside ``__call__``
+---------------------------------
+Under ``synced_gpus=True`` transformers keeps running forward passes on a
+rank whose sequences have all finished, but skips its logits processors
+there. A collective inside the processor would then pair with nothing on
+that rank and hang the others (verl#340; the uneven-collective bug class of
+sglang#3600). So the processor only reads ``input_ids``, advances the
+grammars, builds and applies bitmask rows; all agreement happens in
+``prepare``.
+
+The step counter
+----------------
+``prepare`` submits every spec, then calls ``session.step(n)`` followed by
+``session.all_done(n, done)`` until every rank's requests are admitted or
+failed. ``all_done`` is one tiny all_gather whose answer is the same on every
+rank, so every rank leaves after the same step, although partitioned
+replicas finish admission at different steps and each ``step`` is a
+collective among them (the poison exchange). ``n`` is one counter per
+``GenerateSession`` that keeps increasing across ``prepare`` calls (the
+coordinator refuses a step that does not increase). A step that failed a
+request with a poisoning code (``grammar_invalid``, ``grammar_timeout``)
+votes "not done" once more: a failure is shared at the next step's
+exchange, so this way the peers' poison caches hold the key before
+``prepare`` returns.
+
+Rows
+----
+- an admitted request: masked by its grammar at every step. Once the grammar
+  accepted a stop token (it *terminated*) the row allows only
+  ``stop_token_ids``; whatever ``generate`` appends to a finished row
+  (padding, EOS) is never fed to the grammar, so a pad token after the end
+  raises nothing.
+- a request that failed (admission, or a token the grammar refused):
+  ``failed_rows="eos"`` (the default) allows only ``stop_token_ids``, so the
+  row ends at its next token with an empty output; ``"free"`` leaves it
+  unconstrained. Either way ``finish`` reports it ``failed`` with its code.
+- a ``None`` request id: an unconstrained row, never touched.
+
+Pass ``eos_token_id=session.eos_token_ids`` (the vocabulary's stop tokens)
+to ``generate`` so that the grammar's end also ends the row there. Beam
+search is not supported (rows must keep their order); greedy and sampling
+are. CPU logits are masked in place; logits on another device go through a
+float32 host copy.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+import transformers
+
+from gramcoord.rank_worker.errors import GrammarError
+from gramcoord.rank_worker.grammars.manager import Outcome
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+from gramcoord.rank_worker.session.session import RankSession
+from gramcoord.rank_worker.session.types import SessionConfig
+
+__all__ = ["FailedRows", "GenerateSession", "GenerationResult", "GrammarLogitsProcessor"]
+
+FailedRows = Literal["eos", "free"]
+FinishReason = Literal["grammar_end", "stop", "length", "error", "not_generated"]
+
+# Failure codes that poison a key; a step that decides one is followed by
+# one more step so the failure reaches the peers before ``prepare`` returns.
+_POISONING = frozenset({"grammar_invalid", "grammar_timeout"})
+
+# Row modes.
+_FREE, _ACTIVE, _ENDED, _FAILED = "free", "active", "ended", "failed"
+
+
+class GenerationResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request came to after ``generate``.
+
+    Attributes
+    ----------
+    request_id:
+        The request.
+    status:
+        ``"ok"``: admitted and every generated token was accepted by the
+        grammar. ``"failed"``: admission failed, or the grammar refused a
+        token (``code`` says which).
+    finish_reason:
+        ``"grammar_end"``: the grammar accepted a stop token (the output is
+        complete); ``"stop"``: the row produced a host stop token the
+        grammar does not end on; ``"length"``: generation stopped first
+        (``max_new_tokens`` or another stopping criterion); ``"error"``:
+        failed; ``"not_generated"``: admitted but no processor row ran it.
+    complete:
+        ``finish_reason == "grammar_end"``.
+    token_ids:
+        Tokens the grammar accepted, the final stop token included.
+    text:
+        ``token_ids`` decoded without stop tokens (invalid UTF-8 replaced).
+    code, message:
+        The error code and message of a failed request (``None`` / ``""``).
+    cache:
+        How admission went: ``miss``, ``hit``, ``joined``, ``poisoned``,
+        ``none``.
+    compile_ms:
+        Compile time of a request that compiled its own grammar.
+    warnings:
+        Warning codes of the spec (e.g. ``unconstrained_ref``).
+    """
+
+    request_id: str
+    status: Literal["ok", "failed"]
+    finish_reason: FinishReason
+    complete: bool
+    token_ids: tuple[int, ...]
+    text: str
+    code: str | None = None
+    message: str = ""
+    cache: str = "none"
+    compile_ms: float = 0.0
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class _Record:
+    """One prepared request: its admission and what generation did with it."""
+
+    outcome: Outcome
+    token_ids: list[int] = field(default_factory=list)
+    reason: FinishReason | None = None
+    error: tuple[str, str] | None = None
+    generated: bool = False
+    processor: GrammarLogitsProcessor | None = None
+
+    def result(self, tokenizer: Tokenizer) -> GenerationResult:
+        o = self.outcome
+        if o.status != "admitted":
+            code = o.code or "not_admitted"
+            message = o.message or f"request was {o.status} when generation ended"
+            status, reason, tokens = "failed", "error", ()
+        elif self.error is not None:
+            (code, message), status, reason = self.error, "failed", "error"
+            tokens = tuple(self.token_ids)
+        else:
+            code, message, status = None, "", "ok"
+            reason = self.reason or ("length" if self.generated else "not_generated")
+            tokens = tuple(self.token_ids)
+        return GenerationResult(
+            request_id=o.request_id,
+            status=status,
+            finish_reason=reason,
+            complete=reason == "grammar_end",
+            token_ids=tokens,
+            text=tokenizer.decode(list(tokens)),
+            code=code,
+            message=message,
+            cache=o.cache,
+            compile_ms=o.compile_ms,
+            warnings=o.warnings,
+        )
+
+
+class GenerateSession:
+    """One rank's structured-output session around Hugging Face ``generate``.
+
+    Parameters
+    ----------
+    session:
+        A session whose rank is a stage leader on the last stage (``pp = tp
+        = 1``): made with ``RankSession.attach`` (the host made the process
+        group; compile is forced ``sync``), ``RankSession.start`` (the
+        session makes the world from ``MASTER_ADDR``/``MASTER_PORT``;
+        ``async`` compile with deadlines) or ``RankSession.local``.
+        ``close`` closes it.
+    first_step:
+        The first step number ``prepare`` uses (a session that was already
+        stepped must continue above its last step).
+    poll_s:
+        Pause between steps while this rank still has compiles pending, so
+        the collective loop leaves the CPU to the compile.
+
+    Attributes
+    ----------
+    session:
+        The wrapped ``RankSession``.
+    num_steps:
+        ``session.step`` calls made by ``prepare`` so far (the same on every
+        rank).
+
+    Raises
+    ------
+    ValueError
+        The session's layout has pipeline stages or tensor parallelism.
+    """
+
+    def __init__(self, session: RankSession, *, first_step: int = 0, poll_s: float = 0.005):
+        layout = session.layout
+        if layout.pp != 1 or layout.tp != 1:
+            raise ValueError(
+                f"GenerateSession runs data-parallel ranks only (pp = tp = 1); the session's "
+                f"layout is dp={layout.dp} pp={layout.pp} tp={layout.tp}"
+            )
+        self.session = session
+        self.poll_s = poll_s
+        self._next_step = first_step
+        self._records: dict[str, _Record] = {}
+        self.num_steps = 0
+
+    @classmethod
+    def create(
+        cls,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        vocab_size: int | None = None,
+        config: SessionConfig | None = None,
+    ) -> GenerateSession:
+        """Attach to the host's process group, or make a one-process session.
+
+        Parameters
+        ----------
+        tokenizer:
+            The host's Hugging Face tokenizer (wrapped with
+            ``Tokenizer.from_hf``), or a gramcoord ``Tokenizer``.
+        name:
+            The vocabulary's name, identical on every rank (part of every
+            grammar key); default ``"hf:" + tokenizer.name_or_path``.
+        vocab_size:
+            The model's vocabulary (``model.config.vocab_size``: lm_head
+            rows, often padded past the tokenizer's).
+        config:
+            The session config. With a world of more than one rank,
+            ``parallel.dp`` may stay 1 (it is taken from the world) and
+            ``parallel.requests`` says whether replicas share one stream.
+
+        Returns
+        -------
+        GenerateSession
+            Over ``RankSession.attach`` when ``torch.distributed`` is
+            initialized with more than one rank, else ``RankSession.local``.
+
+        Raises
+        ------
+        VocabularyMismatch
+            Ranks attached with different vocabularies (on every rank).
+        """
+        if isinstance(tokenizer, Tokenizer):
+            tok = tokenizer
+        else:
+            if name is None:
+                name = "hf:" + (getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+            tok = Tokenizer.from_hf(tokenizer, name, vocab_size=vocab_size)
+        config = config or SessionConfig()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return cls(RankSession.attach(tok, config))
+        return cls(RankSession.local(tok, config))
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The session's vocabulary."""
+        return self.session.tokenizer
+
+    @property
+    def rank(self) -> int:
+        """This rank in the session's world (0 alone)."""
+        return self.session.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the session's world (1 alone)."""
+        return self.session.layout.world_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The vocabulary's stop tokens: pass them to ``generate`` as ``eos_token_id``."""
+        return list(self.tokenizer.stop_ids)
+
+    @property
+    def next_step(self) -> int:
+        """The step number the next ``session.step`` call will use."""
+        return self._next_step
+
+    # -- admission (collective) -------------------------------------------------
+
+    def prepare(self, requests: Iterable[tuple[str, Any]]) -> dict[str, Outcome]:
+        """Submit ``requests`` and step until every rank's requests are decided.
+
+        Every rank of the world must call it, the same number of times, each
+        with its own requests (an empty list is fine): it runs the session's
+        collectives.
+
+        Parameters
+        ----------
+        requests:
+            ``(request_id, spec)`` pairs; a spec in vLLM's
+            ``structured_outputs`` form (``{"json": schema}``,
+            ``{"regex": ...}``, ``{"choice": [...]}``, ...).
+
+        Returns
+        -------
+        dict
+            Request id -> ``Outcome``: ``admitted`` or ``failed`` (with its
+            ``code`` and ``cache``: ``poisoned`` means the key had failed
+            before, here or on a peer, and was not compiled again).
+
+        Raises
+        ------
+        ValueError
+            A request id repeated in ``requests`` or still prepared and not
+            finished. Raised before any collective; the peers then fail at
+            their next collective with ``PeerLostError``.
+        PeerLostError, DivergenceError
+            Infrastructure failures from the session.
+        """
+        requests = list(requests)
+        seen: set[str] = set()
+        for rid, _ in requests:
+            if rid in seen or rid in self._records:
+                raise ValueError(
+                    f"[rank {self.rank}] request id {rid!r} is repeated or still prepared; "
+                    "finish it before preparing it again"
+                )
+            seen.add(rid)
+        outcomes: dict[str, Outcome] = {}
+        for rid, spec in requests:
+            o = self.session.submit(rid, spec)
+            outcomes[rid] = o
+            self._records[rid] = _Record(o)
+        undecided = {rid for rid, o in outcomes.items() if o.status in ("pending", "waiting")}
+        session = self.session
+        while True:
+            step = self._next_step
+            self._next_step += 1
+            self.num_steps += 1
+            decided = session.step(step)
+            flush = False
+            for o in (*decided.admitted, *decided.failed):
+                if o.request_id in undecided:
+                    undecided.discard(o.request_id)
+                    outcomes[o.request_id] = o
+                    self._records[o.request_id].outcome = o
+                if o.status == "failed" and o.code in _POISONING:
+                    flush = True
+            if session.all_done(step, not undecided and not flush):
+                return outcomes
+            if undecided:
+                time.sleep(self.poll_s)
+
+    # -- generation (local) -----------------------------------------------------
+
+    def logits_processor(
+        self,
+        request_ids: Sequence[str | None],
+        prompt_lengths: int | Sequence[int] | None = None,
+        *,
+        failed_rows: FailedRows = "eos",
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> GrammarLogitsProcessor:
+        """A logits processor for one ``generate`` call (local; after ``prepare``).
+
+        Parameters
+        ----------
+        request_ids:
+            One entry per batch row, in row order: a prepared request id,
+            or ``None`` for an unconstrained row.
+        prompt_lengths:
+            Where each row's generated tokens start in ``input_ids``;
+            default the width of ``input_ids`` at the first call.
+        failed_rows:
+            ``"eos"`` (rows of failed requests end at once) or ``"free"``
+            (unconstrained).
+        stop_token_ids:
+            The tokens ``generate`` ends a row on; default
+            ``eos_token_ids``.
+
+        Returns
+        -------
+        GrammarLogitsProcessor
+            Pass it to ``generate(logits_processor=[...])``, then to
+            ``finish``.
+        """
+        return GrammarLogitsProcessor(
+            self,
+            request_ids,
+            prompt_lengths,
+            failed_rows=failed_rows,
+            stop_token_ids=stop_token_ids,
+        )
+
+    def finish(
+        self,
+        processor: GrammarLogitsProcessor | None = None,
+        sequences: torch.Tensor | None = None,
+        *,
+        request_ids: Iterable[str] | None = None,
+    ) -> dict[str, GenerationResult]:
+        """Feed the last generated tokens, forget the requests, report each one.
+
+        Local (no collective); call it on every rank after ``generate``.
+
+        Parameters
+        ----------
+        processor:
+            The processor passed to ``generate``.
+        sequences:
+            What ``generate`` returned (``[rows, prompt + new]``, or its
+            ``.sequences``). The processor never sees the last token of a
+            row, so without it a row that ended exactly at
+            ``max_new_tokens`` on a stop token would read ``length``.
+        request_ids:
+            The requests to finish; default the processor's, or every
+            prepared request when no processor is given.
+
+        Returns
+        -------
+        dict
+            Request id -> ``GenerationResult``.
+        """
+        if processor is not None and sequences is not None:
+            seqs = getattr(sequences, "sequences", sequences)
+            processor._feed_all(seqs.detach().to("cpu"))
+        if request_ids is None:
+            if processor is not None:
+                ids = [r for r in processor.request_ids if r is not None]
+            else:
+                ids = list(self._records)
+        else:
+            ids = list(request_ids)
+        out: dict[str, GenerationResult] = {}
+        for rid in ids:
+            rec = self._records.pop(rid, None)
+            if rec is None:
+                continue
+            if rec.outcome.status == "admitted":
+                # A failed request already left the manager (and its id may
+                # name another live request: duplicate_request_id).
+                self.session.finish(rid)
+            out[rid] = rec.result(self.tokenizer)
+        return out
+
+    def close(self) -> None:
+        """Close the session (its compile pool, control groups, and a world it made)."""
+        self.session.close()
+
+    def __enter__(self) -> GenerateSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(eq=False)
+class _Row:
+    request_id: str | None
+    mode: str
+    start: int | None
+    seen: int = 0
+
+
+class GrammarLogitsProcessor(transformers.LogitsProcessor):
+    """Masks each row of one ``generate`` call with its request's grammar.
+
+    Build it with ``GenerateSession.logits_processor`` after ``prepare``;
+    use it for one ``generate`` call, then pass it to
+    ``GenerateSession.finish``. ``__call__`` runs no collective (see the
+    module docstring).
+
+    Parameters
+    ----------
+    owner:
+        The ``GenerateSession`` whose ``prepare`` admitted the requests.
+    request_ids:
+        One entry per batch row, in row order: a prepared request id, or
+        ``None`` for an unconstrained row.
+    prompt_lengths:
+        Where each row's generated tokens start in ``input_ids`` (one int
+        for every row, or one per row); default: the width of
+        ``input_ids`` at the first call, which is right for ``generate``'s
+        padded batches (left or right padding).
+    failed_rows:
+        ``"eos"``: rows of failed requests allow only ``stop_token_ids``
+        (they end at once, empty); ``"free"``: unconstrained.
+    stop_token_ids:
+        The tokens ``generate`` ends a row on (pass the same ones as its
+        ``eos_token_id``); default the vocabulary's stop tokens. A
+        terminated row allows only these. A row that produces one that the
+        grammar does not end on stops being fed (``finish_reason="stop"``).
+
+    Attributes
+    ----------
+    request_ids:
+        The rows' request ids.
+    stop_token_ids:
+        The stop tokens in use.
+    failed_rows:
+        The failed-row policy.
+    num_calls:
+        How many times ``generate`` called the processor on this rank
+        (fewer than the steps of a peer whose rows finished later).
+
+    Raises
+    ------
+    KeyError
+        A request id that was not prepared.
+    ValueError
+        A request id twice, a request already used by another live
+        processor, more rows than ``scheduler.max_num_seqs``, or a bad
+        ``failed_rows``.
+    """
+
+    def __init__(
+        self,
+        owner: GenerateSession,
+        request_ids: Sequence[str | None],
+        prompt_lengths: int | Sequence[int] | None = None,
+        *,
+        failed_rows: FailedRows = "eos",
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if failed_rows not in ("eos", "free"):
+            raise ValueError(f"failed_rows must be 'eos' or 'free', got {failed_rows!r}")
+        session = owner.session
+        self.request_ids = tuple(request_ids)
+        limit = session.config.scheduler.max_num_seqs
+        if len(self.request_ids) > limit:
+            raise ValueError(
+                f"{len(self.request_ids)} rows exceed scheduler.max_num_seqs={limit}; raise it "
+                "in the session config"
+            )
+        named = [r for r in self.request_ids if r is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("a request id appears on two rows; give each row its own request")
+        for rid in named:
+            rec = owner._records.get(rid)
+            if rec is None:
+                raise KeyError(f"request {rid!r} was not prepared (call prepare first)")
+            if rec.processor is not None:
+                raise ValueError(f"request {rid!r} is already used by another processor")
+        if prompt_lengths is None or isinstance(prompt_lengths, numbers.Integral):
+            start = None if prompt_lengths is None else int(prompt_lengths)
+            starts: list[int | None] = [start] * len(self.request_ids)
+        else:
+            starts = [int(n) for n in prompt_lengths]
+            if len(starts) != len(self.request_ids):
+                raise ValueError(
+                    f"{len(starts)} prompt lengths for {len(self.request_ids)} request rows"
+                )
+        self._owner = owner
+        self._session = session
+        self.failed_rows = failed_rows
+        stops = tuple(stop_token_ids) if stop_token_ids is not None else session.tokenizer.stop_ids
+        self.stop_token_ids = tuple(int(t) for t in stops)
+        self._host_stops = frozenset(self.stop_token_ids)
+        self._grammar_stops = frozenset(session.tokenizer.stop_ids)
+        self._rows: list[_Row] = []
+        for rid, start in zip(self.request_ids, starts):
+            if rid is None:
+                mode = _FREE
+            else:
+                rec = owner._records[rid]
+                rec.processor = self
+                if rec.outcome.status == "admitted" and session.is_running(rid):
+                    mode = _ACTIVE
+                    rec.generated = True
+                else:
+                    mode = _FAILED
+            self._rows.append(_Row(rid, mode, start))
+        self._allowed: torch.Tensor | None = None
+        self.num_calls = 0
+
+    # -- the per-step call --------------------------------------------------------
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Advance each row with its new tokens, then mask ``scores`` in place.
+
+        Local work only: no collective, no waiting on peers.
+
+        Raises
+        ------
+        ValueError
+            ``input_ids`` has a different number of rows than the processor
+            (beam search, ``num_return_sequences > 1``).
+        """
+        n = input_ids.shape[0]
+        if n != len(self._rows):
+            raise ValueError(
+                f"generate passed {n} rows but the processor has {len(self._rows)}; use one "
+                "request id per row and no beam search"
+            )
+        if self.num_calls == 0:
+            width = input_ids.shape[1]
+            for row in self._rows:
+                row.seen = width if row.start is None else row.start
+        self.num_calls += 1
+        if any(row.mode == _ACTIVE for row in self._rows):
+            self._feed_all(input_ids.detach().to("cpu"))
+        active = [i for i, row in enumerate(self._rows) if row.mode == _ACTIVE]
+        if active:
+            self._mask(scores, active)
+        forced = [
+            i
+            for i, row in enumerate(self._rows)
+            if row.mode == _ENDED or (row.mode == _FAILED and self.failed_rows == "eos")
+        ]
+        if forced:
+            self._force_stop(scores, forced)
+        return scores
+
+    def _mask(self, scores: torch.Tensor, active: list[int]) -> None:
+        session, rows = self._session, self._rows
+        ids = [rows[i].request_id for i in active]
+        batch = session.bitmask(ids)
+        for rid, err in batch.failures.items():
+            # The row's bitmask allows everything; it is forced below.
+            self._fail(rows[self.request_ids.index(rid)], err.code.name, err.message)
+        # Logit-row keys for the row plan: request ids, and keys no string id
+        # can equal for the other rows.
+        masked = set(active)
+        keys: list[Any] = [
+            row.request_id if i in masked else ("row", i) for i, row in enumerate(rows)
+        ]
+        target = scores if scores.device.type == "cpu" else scores.to("cpu", torch.float32)
+        session.apply(target, batch.rows, batch=keys, constrained=ids, num_drafts={})
+        if target is not scores:
+            scores.copy_(target.to(scores.device, scores.dtype))
+
+    def _force_stop(self, scores: torch.Tensor, forced: list[int]) -> None:
+        vocab = scores.shape[-1]
+        if self._allowed is None or self._allowed.shape[0] != vocab:
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            ids = [t for t in self.stop_token_ids if 0 <= t < vocab]
+            allowed[ids] = True
+            self._allowed = allowed
+        allowed = self._allowed.to(scores.device)
+        index = torch.tensor(forced, device=scores.device)
+        rows = scores.index_select(0, index)
+        scores.index_copy_(0, index, rows.masked_fill(~allowed, float("-inf")))
+
+    # -- feeding the grammars -------------------------------------------------------
+
+    def _feed_all(self, ids: torch.Tensor) -> None:
+        """Feed every active row the tokens past what it has seen (``ids`` on the CPU)."""
+        if self.num_calls == 0:
+            # finish() without any call: generation never reached a step.
+            for row in self._rows:
+                if row.start is not None:
+                    row.seen = row.start
+                else:
+                    row.seen = ids.shape[1]
+        width = ids.shape[1]
+        for i, row in enumerate(self._rows):
+            if row.mode != _ACTIVE:
+                continue
+            new = ids[i, row.seen :].tolist() if row.seen < width else []
+            row.seen = max(row.seen, width)
+            self._feed(row, new)
+
+    def _feed(self, row: _Row, tokens: list[int]) -> None:
+        session = self._session
+        rid = row.request_id
+        rec = self._owner._records.get(rid)
+        if rec is None:  # finished meanwhile
+            row.mode = _FREE
+            return
+        if not tokens:
+            # Nothing was sampled since the last mask: the state is current.
+            session.advance(rid, [])
+            return
+        for token in tokens:
+            if token in self._host_stops and token not in self._grammar_stops:
+                row.mode, rec.reason = _ENDED, "stop"
+                session.advance(rid, [])
+                return
+            try:
+                terminated = session.advance(rid, [token])
+            except GrammarError as exc:
+                self._fail(row, exc.code.name, exc.message)
+                return
+            rec.token_ids.append(token)
+            if terminated:
+                # Later tokens of this row are generate's padding: never fed.
+                row.mode, rec.reason = _ENDED, "grammar_end"
+                return
+
+    def _fail(self, row: _Row, code: str, message: str) -> None:
+        rec = self._owner._records.get(row.request_id)
+        if rec is not None and rec.error is None:
+            rec.error = (code, message)
+        row.mode = _FAILED

@@ -1,0 +1,1 @@
+"""Tests of the host-library integrations (``gramcoord.rank_worker.integrations``)."""
