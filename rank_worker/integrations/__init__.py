@@ -14,8 +14,12 @@ module                    integration
                           ``generate``, ``finish`` after it) and its
                           ``GrammarLogitsProcessor``. Needs ``transformers``
                           (the ``hf`` extra).
-``vllm_backend``          vLLM V1-shaped backend, grammar and manager over a
-                          session (vLLM itself is not imported).
+``vllm_backend``          vLLM V1-shaped backend and grammar over a session
+                          (vLLM itself is not imported).
+``vllm_manager``          the ``StructuredOutputManager`` role: ``update(step)``
+                          at the top of every ``schedule()``.
+``hf_processor``          the ``hf`` integration's collective-free
+                          ``GrammarLogitsProcessor``.
 ``sglang_manager``        SGLang-shaped grammar manager over a session: the
                           get-ready call is ``RankSession.step`` (SGLang itself
                           is not imported).

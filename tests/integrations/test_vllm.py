@@ -42,7 +42,6 @@ import torch
 from gramcoord.rank_worker.integrations.vllm_backend import (
     GramcoordBackend,
     GramcoordGrammar,
-    GramcoordStructuredOutputManager,
     GrammarInitError,
     GrammarNotReady,
     StaleGrammarState,
@@ -51,6 +50,7 @@ from gramcoord.rank_worker.integrations.vllm_backend import (
     spec_from_key,
     structured_output_key,
 )
+from gramcoord.rank_worker.integrations.vllm_manager import GramcoordStructuredOutputManager
 from gramcoord.rank_worker.session.session import RankSession
 from tests.integrations import fake_vllm as fv
 from tests.procs import free_port, run_procs

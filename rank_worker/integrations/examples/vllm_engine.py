@@ -57,9 +57,9 @@ from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.rank_worker.integrations.vllm_backend import (
-    GramcoordStructuredOutputManager,
     StructuredOutputRequest,
 )
+from gramcoord.rank_worker.integrations.vllm_manager import GramcoordStructuredOutputManager
 from gramcoord.rank_worker.masks.logits_apply import LogitsMasker, plan_rows
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
