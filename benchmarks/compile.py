@@ -32,7 +32,7 @@ from pathlib import Path
 
 import xgrammar as xgr
 
-from gramcoord.launch.bench import BenchRecord, median_ms
+from gramcoord.launch.bench import BenchRecord, add_data_arg, median_ms
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
@@ -112,13 +112,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--n", type=int, default=8, help="concurrent identical requests")
     p.add_argument("--schemas", type=int, default=30, help="dev schemas for the ship row")
-    p.add_argument(
-        "--data",
-        type=Path,
-        default=None,
-        help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
-        "else tests/data)",
-    )
+    add_data_arg(p)
     opts = p.parse_args(args)
     tok = load_tokenizer()
     cfg = GrammarConfig(num_compile_workers=2)

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
+from gramcoord.launch.bench import BenchRecord, add_data_arg, median_ms  # noqa: E402
 from gramcoord.launch.workload import dev_data_dir  # noqa: E402
 from gramcoord.rank_worker.engine.decoder import GreedyDecoder  # noqa: E402
 from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel  # noqa: E402
@@ -56,13 +56,7 @@ CHUNK = 16
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench fill")
-    p.add_argument(
-        "--data",
-        type=Path,
-        default=None,
-        help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
-        "else tests/data)",
-    )
+    add_data_arg(p)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     p.add_argument("--repeat", type=int, default=61, help="timed repeats per figure")
     p.add_argument("--seed", type=int, default=0)

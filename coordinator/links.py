@@ -18,30 +18,14 @@ receiver posts them in the order they are sent.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
+
+from gramcoord.coordinator.runtime import Comm
 
 _WORD = 8
 # Tags of the step loop's messages, apart from the coordinator's chain tags.
 TAG_HEADER = 101
 TAG_PAYLOAD = 102
-
-
-class ByteComm(Protocol):
-    """The runtime calls a link needs (``coordinator.runtime.Runtime``)."""
-
-    rank: int
-
-    def members(self, group: str) -> tuple[int, ...]: ...
-
-    def send(
-        self, group: str, dst: int, payload: np.ndarray, *, tag: int, operation: str, step: int
-    ) -> None: ...
-
-    def recv(
-        self, group: str, src: int, out: np.ndarray, *, tag: int, operation: str, step: int
-    ) -> None: ...
 
 
 def _words(data: bytes) -> np.ndarray:
@@ -61,7 +45,7 @@ class ByteLink:
         The group the transfers use.
     """
 
-    def __init__(self, comm: ByteComm, group: str = "world") -> None:
+    def __init__(self, comm: Comm, group: str = "world") -> None:
         self.comm = comm
         self.group = group
         self.bytes_sent = 0

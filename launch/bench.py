@@ -129,6 +129,17 @@ def write_records(records: list[BenchRecord], out_dir: Path) -> Path:
     return path
 
 
+def add_data_arg(parser) -> None:
+    """The ``--data`` option every benchmark that reads dev data takes."""
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
+        "else tests/data)",
+    )
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
 
