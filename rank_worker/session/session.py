@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 from gramcoord.coordinator.config import ParallelConfig
 from gramcoord.coordinator.external import FORCED_COMPILE_MODE, attach_external
@@ -49,11 +47,12 @@ from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.admission import Admission
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
-from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
-from gramcoord.rank_worker.masks.jump_forward import JumpForward, JumpResult
+from gramcoord.rank_worker.masks.jump_forward import JumpForward
 from gramcoord.rank_worker.session.applier import MaskApplier
+from gramcoord.rank_worker.session.masks import SessionMasks
 from gramcoord.rank_worker.session.reader import MaskReader
 from gramcoord.rank_worker.session.types import (
     MaskBatch,
@@ -65,10 +64,22 @@ from gramcoord.rank_worker.session.types import (
 )
 from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
 
+# The value types are re-exported: callers may import them from here or from
+# the package.
+__all__ = [
+    "MaskBatch",
+    "RankSession",
+    "SessionConfig",
+    "SessionStats",
+    "StaleGrammarState",
+    "StepOutcome",
+    "VocabularyMismatch",
+]
+
 logger = logging.getLogger(__name__)
 
 
-class RankSession:
+class RankSession(SessionMasks):
     """One rank's structured-output session; build with a classmethod.
 
     Parameters
@@ -155,7 +166,20 @@ class RankSession:
 
     @classmethod
     def local(cls, tokenizer: Tokenizer, config: SessionConfig | None = None) -> RankSession:
-        """A one-process session (no torch.distributed): the reference topology."""
+        """A one-process session (no torch.distributed): the reference topology.
+
+        Parameters
+        ----------
+        tokenizer:
+            The vocabulary.
+        config:
+            The session's sections; the defaults when ``None``.
+
+        Returns
+        -------
+        RankSession
+            Rank 0 of a world of one: stage leader, last stage, no TP workers.
+        """
         config = config or SessionConfig()
         layout = ParallelLayout.build(ParallelConfig(), 1)
         return cls(layout, 0, None, tokenizer, config)
@@ -164,7 +188,26 @@ class RankSession:
     def start(
         cls, tokenizer: Tokenizer, config: SessionConfig, *, rank: int, run_id: str | None = None
     ) -> RankSession:
-        """Create the world (``MASTER_ADDR``/``MASTER_PORT`` rendezvous) and join it."""
+        """Create the world (``MASTER_ADDR``/``MASTER_PORT`` rendezvous) and join it.
+
+        Parameters
+        ----------
+        tokenizer:
+            The vocabulary; every rank must pass the same one.
+        config:
+            The session's sections; ``parallel`` gives the world size.
+        rank:
+            This process's rank in the ``ParallelLayout``.
+        run_id:
+            Names the run's shared-memory segments and sockets.
+
+        Raises
+        ------
+        CoordinatorError, PeerLostError
+            The rendezvous or the control groups failed.
+        VocabularyMismatch
+            Ranks passed different vocabularies.
+        """
         layout = ParallelLayout.build(config.parallel, config.parallel.world_size)
         if layout.world_size == 1:
             return cls(layout, 0, None, tokenizer, config, run_id=run_id)
@@ -188,6 +231,13 @@ class RankSession:
 
         Parameters
         ----------
+        tokenizer:
+            The host's vocabulary (``Tokenizer.from_info`` / ``from_hf``).
+        config:
+            The session's sections; ``parallel.dp`` may be left at 1 (it is
+            derived from the world size).
+        run_id:
+            Names the run's shared-memory segments and sockets.
         force_sync:
             Compile inline at admission (the external-launcher default of
             DESIGN section 2), so readiness needs no collective. ``False``
@@ -256,18 +306,25 @@ class RankSession:
 
     # -- admission (stage leaders) ---------------------------------------------
 
-    def _need(self, what: str, obj: Any) -> Any:
-        if obj is None:
-            raise RuntimeError(f"[rank {self.rank}] {what} is not available on this rank's role")
-        return obj
-
     def submit(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
         """Admit one request for compilation; never raises for bad input.
 
-        Returns an ``Outcome``: ``failed`` at once (bad spec, poisoned key,
-        bad id), else ``pending`` or ``waiting`` until a ``step`` decides.
-        ``seq`` pins the sequence number (followers of a chain pass stage
-        0's); it must increase.
+        Parameters
+        ----------
+        request_id:
+            Unique among live requests, 1..1024 characters.
+        spec:
+            The ``structured_outputs`` mapping (vLLM names).
+        seq:
+            Pins the sequence number (later pipeline stages pass stage 0's);
+            it must increase.
+
+        Returns
+        -------
+        Outcome
+            ``failed`` at once (bad spec, poisoned key, bad id or seq, with
+            a code), else ``pending`` or ``waiting`` until a ``step``
+            decides.
         """
         manager = self._need("submit", self.manager)
         try:
@@ -283,6 +340,19 @@ class RankSession:
 
     def step(self, step: int) -> StepOutcome:
         """The per-step collective: agree on readiness and apply the decision.
+
+        Parameters
+        ----------
+        step:
+            The step number; it must increase, and every member of the
+            agreement group must be at the same step.
+
+        Returns
+        -------
+        StepOutcome
+            Requests admitted and failed this step, identically on every
+            rank of the group; ``stage_failed`` lists those that only this
+            pipeline stage could not compile in time.
 
         Raises
         ------
@@ -318,8 +388,6 @@ class RankSession:
         got = self.runtime.all_gather("replicas", row, operation="done vote", step=step)
         return not got.any()
 
-    # -- masks (last-stage leader) -------------------------------------------
-
     def request_state(self, request_id: str) -> str:
         """``waiting`` | ``pending`` (compiling or undecided) | ``running`` | ``unknown``.
 
@@ -329,117 +397,41 @@ class RankSession:
         """
         return self._need("request_state", self.manager).state_of(request_id)
 
-    def is_running(self, request_id: str) -> bool:
-        """Whether ``request_id`` was admitted here and has a grammar state."""
-        return request_id in self._states
-
-    def state(self, request_id: str) -> GrammarState:
-        try:
-            return self._states[request_id]
-        except KeyError:
-            raise KeyError(f"request {request_id!r} is not running on rank {self.rank}") from None
-
-    def validate_drafts(self, request_id: str, drafts: Sequence[int]) -> list[int]:
-        """The longest grammar-valid prefix of ``drafts`` (state unchanged)."""
-        return trim_drafts(self.state(request_id), drafts)
-
-    def bitmask(
-        self,
-        request_ids: Sequence[str],
-        drafts: Sequence[Sequence[int]] | None = None,
-        *,
-        copy: bool = False,
-    ) -> MaskBatch:
-        """Fill the rows of ``request_ids`` (drafts included).
-
-        The rows are a view of the builder's buffer, valid until the next
-        call. A scheduler that pipelines steps (builds step n+1 before step
-        n's rows are applied) passes ``copy=True`` to own its rows.
-
-        Raises
-        ------
-        StaleGrammarState
-            A request's previous rows were built but its sampled tokens were
-            never passed to ``advance``.
-        """
-        builder = self._need("bitmask", self.builder)
-        stale = [r for r in request_ids if r in self._awaiting]
-        if stale:
-            raise StaleGrammarState(
-                f"[rank {self.rank}] requests {stale[:4]} were masked last step but never "
-                "advanced; call advance() with the sampled tokens first"
-            )
-        states = [self.state(r) for r in request_ids]
-        built = builder.build(states, drafts)
-        self._awaiting.update(request_ids)
-        self._stats.masks_built += 1
-        ids = tuple(request_ids)
-        num_drafts = tuple(len(d) for d in drafts) if drafts is not None else (0,) * len(ids)
-        failures = {ids[i]: err for i, err in built.failures.items()}
-        rows = built.bitmask.copy() if copy else built.bitmask
-        return MaskBatch(rows, ids, num_drafts, failures)
-
-    def publish(self, step: int, batch: MaskBatch) -> None:
-        """Send ``batch`` to this stage's TP workers (no-op without workers)."""
-        if self.channel is not None:
-            self.channel.publish(step, batch.rows, batch.request_ids, batch.num_drafts)
-
-    def apply(
-        self,
-        logits: torch.Tensor,
-        rows: np.ndarray,
-        *,
-        batch: Sequence[str],
-        constrained: Sequence[str],
-        num_drafts: Mapping[str, int],
-    ) -> tuple[int, dict[str, tuple[int, ...]]]:
-        """Mask ``logits`` in place with ``rows``; see ``MaskApplier.apply``."""
-        applier = self._need("apply", self.applier)
-        out = applier.apply(
-            logits, rows, batch=batch, constrained=constrained, num_drafts=num_drafts
-        )
-        self._stats.rows_applied += sum(1 + num_drafts.get(r, 0) for r in constrained)
-        return out
-
-    def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
-        """Accept sampled ``tokens``; returns whether the grammar terminated.
-
-        Raises
-        ------
-        GrammarError
-            A token the grammar rejects (the request must fail).
-        """
-        state = self.state(request_id)
-        self._awaiting.discard(request_id)
-        state.accept_tokens(tokens)
-        return state.is_terminated
-
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        self.state(request_id).rollback(num_tokens)
-
-    def jump_forward(self, request_id: str, output: list[int]) -> JumpResult | None:
-        """Append grammar-forced tokens to ``output`` (in place), if enabled."""
-        if self.jump is None:
-            return None
-        return self.jump.jump(self.state(request_id), output)
-
     # -- lifecycle -------------------------------------------------------------
 
     def finish(self, request_id: str) -> None:
-        """Forget a finished request (every stage leader, same step)."""
+        """Forget a finished request (every stage leader, the same step).
+
+        Parameters
+        ----------
+        request_id:
+            The request; unknown ids are ignored.
+        """
         self._states.pop(request_id, None)
         self._awaiting.discard(request_id)
         if self.manager is not None:
             self.manager.finish(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; True if it was live."""
+        """Drop a request wherever it is (queued, pending or running).
+
+        Parameters
+        ----------
+        request_id:
+            The request.
+
+        Returns
+        -------
+        bool
+            Whether it was live.
+        """
         self._states.pop(request_id, None)
         self._awaiting.discard(request_id)
         return self.manager.abort(request_id) if self.manager is not None else False
 
     @property
     def stats(self) -> SessionStats:
+        """Typed counters: the manager's, jump-forward's, masks and transport."""
         s = self._stats
         s.manager = self.manager.stats if self.manager is not None else None
         s.jump_forward = self.jump.stats if self.jump is not None else None
@@ -450,7 +442,13 @@ class RankSession:
         return s
 
     def close(self, *, drain: bool = True) -> None:
-        """Release the transport, the compile pool and the control groups."""
+        """Release the transport, the compile pool and the control groups.
+
+        Parameters
+        ----------
+        drain:
+            Complete sends still in flight first (``False`` after a failure).
+        """
         for what, fn in (
             ("reader", self.reader.close if self.reader else None),
             ("channel", self.channel.close if self.channel else None),
