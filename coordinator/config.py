@@ -52,6 +52,12 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # fixed-size "all_reduce" (BAND) whose size does not grow with the group
     # (reason codes limited to 1..63).
     agreement_op: Literal["all_gather", "all_reduce"] = "all_gather"
+    # Where DP leaders share newly failed keys: "step" inside every step (so
+    # the stage-0 leaders of all replicas step together), or "host": only
+    # when the host calls the session's exchange_poison() at one of its own
+    # sync points, so replicas with partitioned streams step at their own
+    # rates.
+    poison_exchange: Literal["step", "host"] = "step"
     # Idle steps (nothing pending) between clock agreements, so poison TTLs
     # still expire at an agreed instant when no request is waiting.
     clock_sync_steps: PosInt = 64

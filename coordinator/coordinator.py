@@ -85,6 +85,9 @@ class Coordinator:
         Idle steps between clock agreements.
     clock:
         Wall clock in milliseconds (injected by tests).
+    poison_in_step:
+        Share new failures inside every ``step`` (``distributed.
+        poison_exchange: step``); otherwise only in ``exchange_poison``.
 
     Raises
     ------
@@ -102,6 +105,7 @@ class Coordinator:
         agreement_op: Literal["all_gather", "all_reduce"] = "all_gather",
         clock_sync_steps: int = 64,
         clock: Callable[[], int] = wall_clock_ms,
+        poison_in_step: bool = True,
     ) -> None:
         rank = comm.rank
         if not layout.is_stage_leader(rank):
@@ -112,6 +116,11 @@ class Coordinator:
         self._comm = comm
         self._clock = clock
         self._last_step: int | None = None
+        self.poison_in_step = poison_in_step
+        # Poison received by exchange_poison, sent down the chain next step.
+        self._unsent: tuple[PoisonRecord, ...] = ()
+        # New failures kept for the next exchange_poison (host mode).
+        self._held_failures: list[PoisonRecord] = []
         self.decider = layout.is_decider(rank)
         self.agreement: Agreement | None = None
         self.poison: PoisonShare | None = None
@@ -169,6 +178,7 @@ class Coordinator:
             compile_mode=compile_mode,
             agreement_op=distributed.agreement_op,
             clock_sync_steps=distributed.clock_sync_steps,
+            poison_in_step=distributed.poison_exchange == "step",
         )
 
     def _gather(self, group: str) -> Callable:
@@ -190,6 +200,35 @@ class Coordinator:
     @property
     def _current(self) -> int:
         return -1 if self._last_step is None else self._last_step
+
+    def exchange_poison(self, sync: int, member: Member) -> tuple[PoisonRecord, ...]:
+        """Share new failures across the DP leaders now (``poison_exchange: host``).
+
+        Every member of the poison group calls it at the same host sync
+        point (``sync`` numbers those points and labels errors). The records
+        are applied to ``member`` at once and travel down the pipeline chain
+        with the next decision.
+
+        Returns
+        -------
+        tuple of PoisonRecord
+            The union shared (identical on every member); empty on a rank
+            outside the poison group.
+
+        Raises
+        ------
+        PeerLostError
+            A member died or hung.
+        """
+        if self.poison is None:
+            return ()
+        new = self._held_failures + list(member.new_failures())
+        self._held_failures = []
+        shared, _ = self.poison.exchange(sync, new, self._clock())
+        if shared:
+            member.apply_poison(shared)
+            self._unsent += shared
+        return shared
 
     def step(self, step: int, member: Member) -> StepResult:
         """Run step ``step`` for ``member``; see the module docstring.
@@ -216,12 +255,15 @@ class Coordinator:
         assert self.agreement is not None
         clock, agreed = self._clock(), False
         new = member.new_failures()
-        poison: tuple[PoisonRecord, ...] = ()
-        if self.poison is not None:
-            poison, clock = self.poison.exchange(step, new, clock)
+        poison, self._unsent = self._unsent, ()
+        if self.poison is not None and self.poison_in_step:
+            shared, clock = self.poison.exchange(step, new, clock)
             agreed = True
-            if poison:
-                member.apply_poison(poison)
+            if shared:
+                member.apply_poison(shared)
+            poison += shared
+        elif self.poison is not None:
+            self._held_failures += list(new)
         decision = self.agreement.decide(
             step, member.local_status(), clock_ms=clock, clock_agreed=agreed
         )

@@ -373,6 +373,36 @@ class RankSession(SessionMasks):
         ready = admission.last_ready
         return StepOutcome(admitted, failed, [o for o in failed if o.seq in ready])
 
+    def exchange_poison(self, sync: int) -> int:
+        """Share newly failed grammar keys with the other replicas now.
+
+        With ``distributed.poison_exchange: host`` the exchange leaves
+        ``step``, so replicas with partitioned streams step at their own
+        rates (no collective across replicas inside ``step``); the host calls
+        this on every replica's stage-0 leader at one of its own sync points
+        (``sync`` numbers them). With ``step`` (the default) it is not
+        needed. A no-op on ranks outside the poison group.
+
+        Parameters
+        ----------
+        sync:
+            The host's sync point, increasing; labels errors.
+
+        Returns
+        -------
+        int
+            Keys shared (identical on every replica).
+
+        Raises
+        ------
+        PeerLostError
+            A replica died or hung.
+        """
+        admission = self._need("exchange_poison", self.admission)
+        if admission.coordinator is None:
+            return 0
+        return len(admission.coordinator.exchange_poison(sync, admission))
+
     def all_done(self, step: int, done: bool) -> bool:
         """Whether every replica's stage-0 leader is done (one tiny all_gather).
 

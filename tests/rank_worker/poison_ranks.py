@@ -1,0 +1,46 @@
+"""Rank bodies for the host-driven poison exchange (run under ``run_ranks``)."""
+
+from __future__ import annotations
+
+import time
+
+from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.session import RankSession, SessionConfig
+from tests.conftest import make_tiny_tokenizer
+
+BAD = {"grammar": "root ::= undefined_rule"}
+
+
+def host_exchange_body(rank: int, world: int) -> dict:
+    """Partitioned replicas step at different rates; poison moves at the host's sync."""
+    config = SessionConfig(
+        parallel=ParallelConfig(dp=world, requests="partitioned"),
+        distributed=DistributedConfig(step_timeout_s=20, poison_exchange="host"),
+        grammar=GrammarConfig(compile_mode="async"),
+    )
+    session = RankSession.attach(make_tiny_tokenizer(), config, force_sync=False)
+    try:
+        steps = 0
+        if rank == 1:
+            session.submit("bad-1", BAD)
+            failed = []
+            while not failed:  # no peer takes part in these steps
+                failed = session.step(steps).failed
+                steps += 1
+                time.sleep(0.01)
+        else:
+            for _ in range(7):  # a different number of steps than rank 1
+                session.step(steps)
+                steps += 1
+        shared = session.exchange_poison(0)
+        again = session.submit(f"bad-again-{rank}", BAD)
+        return {
+            "steps": steps,
+            "shared": shared,
+            "status": again.status,
+            "code": again.code,
+            "cache": again.cache,
+        }
+    finally:
+        session.close()
