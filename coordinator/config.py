@@ -23,6 +23,12 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     requests: Literal["partitioned", "replicated"] = "partitioned"
     # How later pipeline stages learn stage 0's decision.
     pp_sync: Literal["chain", "collective"] = "chain"
+    # TP workers with a scheduler of their own (SGLang; vLLM's external
+    # launcher): "none" (gramcoord's loop: workers only apply the leader's
+    # rows), or they follow their leader's decision each step and either
+    # "read" the leader's rows from shared memory or "fill" their own from
+    # their own compiles.
+    tp_followers: Literal["none", "read", "fill"] = "none"
 
     @property
     def world_size(self) -> int:

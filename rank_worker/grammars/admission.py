@@ -68,6 +68,8 @@ class Admission:
         # Sequence numbers the last decision admitted: a failed outcome among
         # them failed on this stage alone (e.g. grammar_stage_timeout).
         self.last_ready: frozenset[int] = frozenset()
+        # The last coordinator step (decision and poison), for TP followers.
+        self.last_result = None
 
     @classmethod
     def build(
@@ -112,6 +114,7 @@ class Admission:
             return self.manager.step()
         result = self.coordinator.step(step, self)
         self.last_ready = frozenset(result.decision.ready)
+        self.last_result = result
         return result.outcome
 
     # -- coordinator.Member ---------------------------------------------------

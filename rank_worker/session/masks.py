@@ -24,6 +24,9 @@ class SessionMasks:
     """Bitmask rows, apply, and the grammar-state calls after sampling."""
 
     rank: int
+    tokenizer: Any
+    book: Any
+    reader: Any
     builder: Any
     applier: Any
     channel: Any
@@ -84,6 +87,7 @@ class SessionMasks:
         drafts: Sequence[Sequence[int]] | None = None,
         *,
         copy: bool = False,
+        step: int | None = None,
     ) -> MaskBatch:
         """Fill the rows of ``request_ids`` (drafts included).
 
@@ -91,12 +95,19 @@ class SessionMasks:
         call. A scheduler that pipelines steps (builds step n+1 before step
         n's rows are applied) passes ``copy=True`` to own its rows.
 
+        On a ``read`` TP follower (``parallel.tp_followers: read``) the rows
+        are the ones the leader published for ``step`` (required there),
+        read in place from shared memory: ``release(step)`` after applying
+        them.
+
         Raises
         ------
         StaleGrammarState
             A request's previous rows were built but its sampled tokens were
             never passed to ``advance``.
         """
+        if self.book is not None:
+            return self._read_rows(request_ids, drafts, step, copy)
         builder = self._need("bitmask", self.builder)
         stale = [r for r in request_ids if r in self._awaiting]
         if stale:
@@ -113,6 +124,28 @@ class SessionMasks:
         failures = {ids[i]: err for i, err in built.failures.items()}
         rows = built.bitmask.copy() if copy else built.bitmask
         return MaskBatch(rows, ids, num_drafts, failures)
+
+    def _read_rows(self, request_ids, drafts, step, copy) -> MaskBatch:
+        if step is None:
+            raise ValueError(f"[rank {self.rank}] a read follower needs the step to read")
+        got = self._need("bitmask", self.reader).receive(step)
+        ids = tuple(request_ids)
+        num_drafts = tuple(len(d) for d in drafts) if drafts is not None else (0,) * len(ids)
+        if got.request_ids != ids or got.num_drafts != num_drafts:
+            self.reader.release(step)
+            raise StaleGrammarState(
+                f"[rank {self.rank}] step {step}: the leader published rows for "
+                f"{list(got.request_ids)[:4]} (drafts {list(got.num_drafts)[:4]}), this "
+                f"scheduler asked for {list(ids)[:4]} (drafts {list(num_drafts)[:4]}): "
+                "the schedulers diverged"
+            )
+        self._stats.masks_built += 1
+        return MaskBatch(got.rows.copy() if copy else got.rows, ids, num_drafts, {})
+
+    def release(self, step: int) -> None:
+        """Give step ``step``'s rows back to the leader (``read`` followers only)."""
+        if self.book is not None:
+            self._need("release", self.reader).release(step)
 
     def publish(self, step: int, batch: MaskBatch) -> None:
         """Send ``batch`` to this stage's TP workers (no-op without workers).
@@ -169,6 +202,8 @@ class SessionMasks:
         GrammarError
             A token the grammar rejects (the request must fail).
         """
+        if self.book is not None:  # no grammar here: it ends with its stop token
+            return any(t in self.tokenizer.stop_ids for t in tokens)
         state = self.state(request_id)
         self._awaiting.discard(request_id)
         state.accept_tokens(tokens)

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from gramcoord.coordinator.config import ParallelConfig
+from gramcoord.coordinator.errors import CoordinatorError
 from gramcoord.coordinator.external import FORCED_COMPILE_MODE, attach_external
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.links import ByteLink
@@ -52,6 +53,13 @@ from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpForward
 from gramcoord.rank_worker.session.applier import MaskApplier
+from gramcoord.rank_worker.session.followers import (
+    FollowerBook,
+    FollowerNote,
+    decided,
+    decode_note,
+    encode_note,
+)
 from gramcoord.rank_worker.session.masks import SessionMasks
 from gramcoord.rank_worker.session.reader import MaskReader
 from gramcoord.rank_worker.session.types import (
@@ -116,6 +124,11 @@ class RankSession(SessionMasks):
         self.k = config.speculative.num_tokens
         self.is_leader = layout.is_stage_leader(rank)
         self.is_last_stage = layout.is_last_stage(rank)
+        # TP workers with schedulers of their own follow the leader's steps.
+        self.followers = config.parallel.tp_followers if layout.tp > 1 else "none"
+        self.is_follower = not self.is_leader and self.followers != "none"
+        self.book: FollowerBook | None = None
+        self._submit_failed: list[Outcome] = []
         self.link = ByteLink(runtime) if runtime is not None else None
         self.manager: GrammarManager | None = None
         self.admission: Admission | None = None
@@ -133,8 +146,11 @@ class RankSession(SessionMasks):
         try:
             if runtime is not None:
                 self._check_vocabulary()
-            if self.is_leader:
+            if self.is_follower and self.followers == "read":
+                self.book = FollowerBook()
+            if self.is_leader or (self.is_follower and self.followers == "fill"):
                 self.manager = GrammarManager(config.grammar, tokenizer)
+            if self.is_leader:
                 self.admission = (
                     Admission.build(self.manager, layout, runtime, config.distributed)
                     if runtime is not None
@@ -144,7 +160,7 @@ class RankSession(SessionMasks):
                 self.applier = MaskApplier(
                     width, max_num_seqs=max_seqs, num_speculative_tokens=self.k
                 )
-            if self.is_leader and self.is_last_stage:
+            if self.is_last_stage and self.manager is not None:
                 self.builder = BitmaskBuilder(
                     tokenizer.vocab_size, max_num_seqs=max_seqs, num_speculative_tokens=self.k
                 )
@@ -156,7 +172,7 @@ class RankSession(SessionMasks):
                         rank,
                         tokenizer.name,
                     )
-            if self.is_last_stage and layout.tp > 1:
+            if self.is_last_stage and layout.tp > 1 and self.followers != "fill":
                 self._connect_transport(run_id or secrets.token_hex(4))
         except BaseException:
             self.close()
@@ -326,9 +342,14 @@ class RankSession(SessionMasks):
             a code), else ``pending`` or ``waiting`` until a ``step``
             decides.
         """
+        if self.book is not None:
+            return self.book.add(request_id, seq)
         manager = self._need("submit", self.manager)
         try:
-            return manager.add(request_id, spec, seq=seq)
+            outcome = manager.add(request_id, spec, seq=seq)
+            if outcome.status == "failed" and self.followers != "none" and self.is_leader:
+                self._submit_failed.append(outcome)
+            return outcome
         except ValueError as exc:  # a sequence number that does not increase
             return Outcome(
                 request_id=request_id if isinstance(request_id, str) else str(request_id)[:64],
@@ -359,10 +380,60 @@ class RankSession(SessionMasks):
         PeerLostError, DivergenceError
             Infrastructure failures; they end the run.
         """
+        if self.is_follower:
+            return self._follow(step)
         admission = self._need("step", self.admission)
         outcomes = admission.step(step)
         admitted = [o for o in outcomes if o.status == "admitted"]
         failed = [o for o in outcomes if o.status == "failed"]
+        if self.followers != "none" and self.is_leader and self.link is not None:
+            self._lead(step, outcomes, admission)
+        self._start_states(admitted)
+        ready = admission.last_ready
+        return StepOutcome(admitted, failed, [o for o in failed if o.seq in ready])
+
+    def _lead(self, step: int, outcomes: list[Outcome], admission: Admission) -> None:
+        result = admission.last_result
+        note = FollowerNote(
+            step=step,
+            decided=decided(self._submit_failed + outcomes),
+            decision=result.decision if result is not None else None,
+            poison=result.poison if result is not None else (),
+        )
+        self._submit_failed = []
+        data = encode_note(note)
+        c = self.layout.coords(self.rank)
+        for r in self.layout.tp_group(c.dp, c.pp)[1:]:
+            self.link.send(r, data, operation="follower note", step=step)
+
+    def _follow(self, step: int) -> StepOutcome:
+        c = self.layout.coords(self.rank)
+        data = self.link.recv(self.layout.leader(c.dp, c.pp), operation="follower note", step=step)
+        note = decode_note(data)
+        if note.step != step:
+            raise CoordinatorError(
+                f"[rank {self.rank}] follower at step {step} got the leader's step {note.step}"
+            )
+        if self.book is not None:
+            admitted, failed = self.book.resolve(note)
+            return StepOutcome(admitted, failed, [])
+        manager = self.manager
+        if note.poison:
+            manager.apply_poison(note.poison)
+        outcomes: list[Outcome] = []
+        if note.decision is not None:
+            outcomes = manager.apply_decision(
+                note.decision, wait_s=self.config.grammar.compile_timeout_s
+            )
+        manager.new_failures()  # the leader shares failures; a follower's copy is redundant
+        leader = {d.seq: d for d in note.decided}
+        admitted = [o for o in outcomes if o.status == "admitted"]
+        failed = [o for o in outcomes if o.status == "failed"]
+        stage_failed = [o for o in failed if o.seq in leader and leader[o.seq].status == "admitted"]
+        self._start_states(admitted)
+        return StepOutcome(admitted, failed, stage_failed)
+
+    def _start_states(self, admitted: list[Outcome]) -> None:
         if self.builder is not None:
             for o in admitted:
                 self._states[o.request_id] = GrammarState.from_matcher(
@@ -370,8 +441,6 @@ class RankSession(SessionMasks):
                     vocab_size=self.tokenizer.vocab_size,
                     gate=self._gate,
                 )
-        ready = admission.last_ready
-        return StepOutcome(admitted, failed, [o for o in failed if o.seq in ready])
 
     def exchange_poison(self, sync: int) -> int:
         """Share newly failed grammar keys with the other replicas now.
@@ -425,6 +494,8 @@ class RankSession(SessionMasks):
         ``step`` decision, identically on every rank of its group;
         ``unknown`` covers finished, aborted and failed requests.
         """
+        if self.book is not None:
+            return self.book.state_of(request_id)
         return self._need("request_state", self.manager).state_of(request_id)
 
     # -- lifecycle -------------------------------------------------------------
@@ -439,6 +510,8 @@ class RankSession(SessionMasks):
         """
         self._states.pop(request_id, None)
         self._awaiting.discard(request_id)
+        if self.book is not None:
+            self.book.forget(request_id)
         if self.manager is not None:
             self.manager.finish(request_id)
 
@@ -457,6 +530,8 @@ class RankSession(SessionMasks):
         """
         self._states.pop(request_id, None)
         self._awaiting.discard(request_id)
+        if self.book is not None:
+            return self.book.forget(request_id)
         return self.manager.abort(request_id) if self.manager is not None else False
 
     @property
