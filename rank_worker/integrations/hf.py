@@ -161,6 +161,7 @@ class _Record:
     processor: GrammarLogitsProcessor | None = None
 
     def result(self, tokenizer: Tokenizer) -> GenerationResult:
+        """The request's ``GenerationResult``, its text decoded with ``tokenizer``."""
         o = self.outcome
         if o.status != "admitted":
             code = o.code or "not_admitted"

@@ -63,7 +63,9 @@ class GrammarRequest(Protocol):
     # Set by the manager: an ``SGLangGrammar``, or None.
     grammar: Any
 
-    def set_finish_with_abort(self, error_msg: str) -> None: ...
+    def set_finish_with_abort(self, error_msg: str) -> None:
+        """Finish the request with an error (SGLang's ``Req`` method)."""
+        ...
 
 
 class TokenRejected(ValueError):

@@ -275,6 +275,7 @@ class StructuredOutputRequest:
 
     @grammar.setter
     def grammar(self, value: Future | GramcoordGrammar | Exception | None) -> None:
+        """Set the slot: a ``Future``, the grammar, or the ``Exception`` it failed with."""
         self._grammar = value
 
 

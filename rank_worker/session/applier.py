@@ -40,6 +40,7 @@ class MaskApplier:
         constrained: Sequence[str],
         num_drafts: Mapping[str, int],
     ) -> RowPlan:
+        """Which bitmask row goes to which logit row this step (``plan_rows``)."""
         return plan_rows(batch, constrained, num_drafts, self.rows_per_request)
 
     def apply(

@@ -48,16 +48,19 @@ class MaskDigests:
         return len(self._rows)
 
     def record(self, request_id: str, position: int, digest: int) -> None:
+        """Keep the first digest of ``(request_id, position)``; count a different one."""
         key = (request_id, position)
         old = self._rows.setdefault(key, digest)
         if old != digest:
             self.self_mismatches.append(key)
 
     def records(self) -> list[DigestRecord]:
+        """Every recorded row, in the order first applied."""
         return [DigestRecord(r, p, d) for (r, p), d in self._rows.items()]
 
     @staticmethod
     def index(records: Iterable[DigestRecord]) -> dict[tuple[str, int], int]:
+        """``(request_id, position) -> digest`` of ``records``."""
         return {(r.request_id, r.position): r.digest for r in records}
 
 

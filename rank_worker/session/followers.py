@@ -53,10 +53,12 @@ _decoder = msgspec.msgpack.Decoder(FollowerNote)
 
 
 def encode_note(note: FollowerNote) -> bytes:
+    """msgpack bytes of ``note``."""
     return _encoder.encode(note)
 
 
 def decode_note(data: bytes) -> FollowerNote:
+    """The ``FollowerNote`` in ``data``; raises ``msgspec.DecodeError`` otherwise."""
     return _decoder.decode(data)
 
 
@@ -79,6 +81,7 @@ class FollowerBook:
         self.running: set[str] = set()
 
     def add(self, request_id: str, seq: int | None) -> Outcome:
+        """Record a submitted request under the next (or the given) sequence number."""
         seq = self._next if seq is None else seq
         self._next = seq + 1
         self._pending[seq] = request_id
@@ -102,11 +105,13 @@ class FollowerBook:
         return admitted, failed
 
     def state_of(self, request_id: str) -> str:
+        """``running``, ``pending`` or ``unknown``."""
         if request_id in self.running:
             return "running"
         return "pending" if request_id in self._seq_of else "unknown"
 
     def forget(self, request_id: str) -> bool:
+        """Drop a finished or aborted request; whether it was known."""
         seq = self._seq_of.pop(request_id, None)
         self.running.discard(request_id)
         if seq is not None:

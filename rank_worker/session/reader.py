@@ -61,4 +61,5 @@ class MaskReader:
         self.receiver.release(step)
 
     def close(self) -> None:
+        """Say goodbye to the leader and unmap the ring (never removes it)."""
         self.receiver.close()
