@@ -206,8 +206,8 @@ class Coordinator:
 
         Every member of the poison group calls it at the same host sync
         point (``sync`` numbers those points and labels errors). The records
-        are applied to ``member`` at once and travel down the pipeline chain
-        with the next decision.
+        are applied at the start of the next ``step``, on this rank and,
+        down the pipeline chain with that step's decision, on later stages.
 
         Returns
         -------
@@ -225,9 +225,10 @@ class Coordinator:
         new = self._held_failures + list(member.new_failures())
         self._held_failures = []
         shared, _ = self.poison.exchange(sync, new, self._clock())
-        if shared:
-            member.apply_poison(shared)
-            self._unsent += shared
+        # Applied at the start of the next step, here and (down the chain)
+        # on every later stage at the same point, so a request submitted in
+        # between gets the same verdict on every rank.
+        self._unsent += shared
         return shared
 
     def step(self, step: int, member: Member) -> StepResult:
@@ -256,6 +257,8 @@ class Coordinator:
         clock, agreed = self._clock(), False
         new = member.new_failures()
         poison, self._unsent = self._unsent, ()
+        if poison:
+            member.apply_poison(poison)
         if self.poison is not None and self.poison_in_step:
             shared, clock = self.poison.exchange(step, new, clock)
             agreed = True

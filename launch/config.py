@@ -92,6 +92,16 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         fault = self.faults.flip_mask_bit
         if fault is not None and fault.rank >= world:
             raise ValueError(f"faults.flip_mask_bit.rank {fault.rank} is not a rank of {world}")
+        if self.parallel.tp_followers != "none":
+            raise ValueError(
+                "parallel.tp_followers is for engines whose TP ranks run schedulers of their "
+                "own (see README, Embedding); gramcoord's step loop needs 'none'"
+            )
+        if self.distributed.poison_exchange != "step":
+            raise ValueError(
+                "distributed.poison_exchange 'host' is for engines that call "
+                "exchange_poison() at their own sync points; gramcoord's step loop needs 'step'"
+            )
         if self.launcher == "inline" and world != 1:
             raise ValueError(
                 f"launcher 'inline' runs one process, but parallel is dp={self.parallel.dp} "

@@ -59,16 +59,28 @@ class DeterminismMismatch(RuntimeError):
 def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
     """The workload's records as engine requests, in file order."""
     out = []
+    first_line: dict[str, int] = {}
     for rec in read_workload(path, config.workload.limit):
+        rid, error = rec.id, rec.error
+        try:
+            rid.encode("utf-8")
+        except UnicodeEncodeError:
+            rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
+            error = error or "the request id does not encode as UTF-8 (lone surrogate)"
+        if rid in first_line:
+            # One output line per workload line: a repeated id gets its own.
+            error = error or f"request id {rid!r} repeats line {first_line[rid]}"
+            rid = f"{rid}@line{rec.index}"
+        first_line.setdefault(rid, rec.index)
         out.append(
             EngineRequest(
-                request_id=rec.id,
+                request_id=rid,
                 spec=rec.spec,
                 constrained=rec.constrained,
                 prompt=rec.prompt,
                 max_tokens=rec.max_tokens or config.workload.max_tokens,
                 reference=rec.reference,
-                error=rec.error,
+                error=error,
             )
         )
     return out
@@ -90,6 +102,7 @@ class _RankLogs:
         root = logging.getLogger()
         self._level = root.level
         # The console keeps warnings only; the file takes the rank's INFO.
+        self._levels = [(h, h.level) for h in root.handlers]
         for h in root.handlers:
             if h.level < logging.WARNING:
                 h.setLevel(logging.WARNING)
@@ -111,6 +124,8 @@ class _RankLogs:
         self._native.__exit__(*exc)
         root = logging.getLogger()
         root.removeHandler(self.handler)
+        for h, level in self._levels:
+            h.setLevel(level)
         if self.console is not None:
             root.removeHandler(self.console)
         root.setLevel(self._level)

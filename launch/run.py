@@ -187,6 +187,8 @@ def compare_runs(topology: Path, reference: Path) -> tuple[list[str], int, int]:
             if da[pos] != db[pos]:
                 diffs.append(f"request {rid!r}: mask digest differs at position {pos}")
                 break
+    for rid in out_a.keys() - out_b.keys():
+        diffs.append(f"request {rid!r}: missing from the reference run")
     return diffs, len(out_b), rows
 
 

@@ -64,6 +64,11 @@ def _compare_digests(reports: Sequence[RankReport], det: Determinism) -> None:
             seen[(d.request_id, d.position)][rep.rank] = d.digest
         if rep.self_mismatches:
             det.mismatches += rep.self_mismatches
+            for rid, pos in rep.self_mismatch_rows:
+                if len(det.first) < 10:
+                    det.first.append(
+                        Mismatch("row masked twice differently", rid, pos, (rep.rank,))
+                    )
     appliers = [r for r in reports if r.digests or (r.stats and r.stats.rows_applied)]
     det.ranks_compared = len(appliers)
     # Each TP group of a last stage cross-checks every step once.

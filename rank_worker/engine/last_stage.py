@@ -128,6 +128,7 @@ class LastStage:
                 v = self.views[s.request_id]
                 if s.rollback:
                     del v.out[len(v.out) - s.rollback :]
+                    self.session.applier.digests.truncate(s.request_id, len(v.out))
                 v.out.extend(s.new_tokens)
         for rid in frame.finished:
             self.views.pop(rid, None)
@@ -165,7 +166,8 @@ class LastStage:
         masks, build_ms, publish_ms = build.result()
         self.timings.add("forward", (t1 - t0) * 1e3)
         self.timings.add("mask_build", build_ms)
-        self.timings.add("transport", publish_ms)
+        if self.session.channel is not None:
+            self.timings.add("transport", publish_ms)
         picks, row_digests = self._mask_and_sample(
             frame.step, logits, runnable, constrained, masks.rows
         )
@@ -340,12 +342,13 @@ class LastStage:
         jumped = 0
         next_drafts: tuple[int, ...] = ()
         if reason is None and v.constrained:
+            length = len(v.out)
             jr = session.jump_forward(rid, v.out)
             if jr is not None:
-                jumped = max(0, len(jr.tokens) - jr.num_rollback)
                 if len(v.out) >= v.max_tokens:
                     del v.out[v.max_tokens :]
                     reason = "length"
+                jumped = max(0, len(v.out) - length)
         if reason is None and v.drafter is not None:
             room = min(self.k, v.max_tokens - len(v.out) - 1)
             if room > 0:
@@ -354,6 +357,10 @@ class LastStage:
                     proposal = session.validate_drafts(rid, proposal)
                 next_drafts = tuple(proposal)
         rollback, tokens = retokenize_plan(before, v.out)
+        if rollback:
+            # Retokenization replaced committed positions: their rows will be
+            # masked again from the new tokens (workers do the same).
+            session.applier.digests.truncate(rid, len(before) - rollback)
         if reason is not None:
             self._drop(rid)
         return TokenResult(rid, rollback, tuple(tokens), next_drafts, reason, jumped=jumped)

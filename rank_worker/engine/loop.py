@@ -55,6 +55,8 @@ class RankReport(msgspec.Struct, kw_only=True):
     # Last-stage ranks: the digest of every committed mask row.
     digests: list[DigestRecord] = msgspec.field(default_factory=list)
     self_mismatches: int = 0
+    # The first rows this rank masked twice differently: (request, position).
+    self_mismatch_rows: list[tuple[str, int]] = msgspec.field(default_factory=list)
     stats: SessionStats | None = None
     timings: dict[str, list[float]] = msgspec.field(default_factory=dict)
     bytes_sent: int = 0
@@ -169,6 +171,7 @@ def run_loop(
         outputs=list(origin.outputs.values()) if origin is not None else [],
         digests=applier.digests.records() if applier is not None else [],
         self_mismatches=len(applier.digests.self_mismatches) if applier is not None else 0,
+        self_mismatch_rows=list(applier.digests.self_mismatches[:10]) if applier else [],
         stats=session.stats,
         timings=timings.export(),
         bytes_sent=link.bytes_sent if link is not None else 0,
@@ -208,6 +211,10 @@ def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) 
             link.recv(last_leader, operation="step results", step=step), StepResults
         )
     origin.apply(results)
+    if last is None:  # the last stage's leader forgot them already (same session if pp == 1)
+        for res in results.results:
+            if res.finish_reason is not None:
+                session.finish(res.request_id)
     return frame
 
 

@@ -127,6 +127,15 @@ class Origin:
             self.outputs[rid] = failed_record(rid, "record_invalid", req.error)
             return
         try:
+            rid.encode("utf-8")
+        except UnicodeEncodeError:
+            # The record itself must be encodable: escape the id.
+            safe = rid.encode("utf-8", "backslashreplace").decode("utf-8")
+            self.outputs[rid] = failed_record(
+                safe, "bad_request_id", "request id does not encode as UTF-8 (lone surrogate)"
+            )
+            return
+        try:
             prompt_ids = tuple(self.tokenizer.encode(req.prompt)) if req.prompt else ()
         except (ValueError, UnicodeError) as exc:  # e.g. lone surrogates
             self.outputs[rid] = failed_record(rid, "record_invalid", f"prompt not encodable: {exc}")
@@ -136,7 +145,8 @@ class Origin:
             return
         try:
             spec_json = json.dumps(req.spec, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
+            spec_json.encode("utf-8")
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
             self.outputs[rid] = failed_record(rid, "spec_bad_json", f"spec is not JSON: {exc}")
             return
         outcome = self._submit(rid, req.spec)

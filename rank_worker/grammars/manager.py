@@ -89,6 +89,17 @@ class ManagerStats(msgspec.Struct, kw_only=True):
     unknown_seq: int = 0
 
 
+def _valid_id(request_id: Any) -> bool:
+    """Text of 1..MAX_REQUEST_ID_CHARS characters that encodes as UTF-8 (no lone surrogates)."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return False
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass(eq=False)
 class _Entry:
     seq: int
@@ -169,13 +180,16 @@ class GrammarManager:
                 f"sequence numbers must increase: got {seq} after {self._next_seq - 1}"
             )
         self._next_seq = seq + 1
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        if not _valid_id(request_id):
             return Outcome(
                 request_id=str(request_id)[:64],
                 seq=seq,
                 status="failed",
                 code=ErrorCode.bad_request_id.name,
-                message=f"request ids must be 1..{MAX_REQUEST_ID_CHARS} characters of text",
+                message=(
+                    f"request ids must be 1..{MAX_REQUEST_ID_CHARS} characters of text "
+                    "that encodes as UTF-8"
+                ),
             )
         if request_id in self._seq_of:
             return Outcome(

@@ -54,6 +54,15 @@ class MaskDigests:
         if old != digest:
             self.self_mismatches.append(key)
 
+    def truncate(self, request_id: str, length: int) -> None:
+        """Forget ``request_id``'s rows at positions ``>= length``.
+
+        Called when retokenization replaced output tokens: those positions
+        are masked again from the new tokens, on every rank alike.
+        """
+        for key in [k for k in self._rows if k[0] == request_id and k[1] >= length]:
+            del self._rows[key]
+
     def records(self) -> list[DigestRecord]:
         """Every recorded row, in the order first applied."""
         return [DigestRecord(r, p, d) for (r, p), d in self._rows.items()]

@@ -16,6 +16,9 @@ leader decided this step, and the decision and poison behind them.
   admitted but this worker could not compile within
   ``grammar.compile_timeout_s`` is returned in ``stage_failed``; the host
   must end it everywhere.
+
+Followers call ``finish`` / ``abort`` for the same requests on the same step
+as their leader, like every other call of the scheduler.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.admission import Admission
+from gramcoord.rank_worker.grammars.admission import STAGE_WAIT_SHARE, Admission
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder
@@ -422,9 +422,13 @@ class RankSession(SessionMasks):
             manager.apply_poison(note.poison)
         outcomes: list[Outcome] = []
         if note.decision is not None:
-            outcomes = manager.apply_decision(
-                note.decision, wait_s=self.config.grammar.compile_timeout_s
+            # Capped like a later pipeline stage's wait: the leader must
+            # never take a waiting follower for a lost one.
+            wait = min(
+                self.config.grammar.compile_timeout_s,
+                self.config.distributed.step_timeout_s * STAGE_WAIT_SHARE,
             )
+            outcomes = manager.apply_decision(note.decision, wait_s=wait)
         manager.new_failures()  # the leader shares failures; a follower's copy is redundant
         leader = {d.seq: d for d in note.decided}
         admitted = [o for o in outcomes if o.status == "admitted"]
@@ -450,7 +454,8 @@ class RankSession(SessionMasks):
         rates (no collective across replicas inside ``step``); the host calls
         this on every replica's stage-0 leader at one of its own sync points
         (``sync`` numbers them). With ``step`` (the default) it is not
-        needed. A no-op on ranks outside the poison group.
+        needed. The keys apply from the next ``step`` on, on every stage at
+        once. A no-op on ranks outside the poison group.
 
         Parameters
         ----------
@@ -467,8 +472,8 @@ class RankSession(SessionMasks):
         PeerLostError
             A replica died or hung.
         """
-        admission = self._need("exchange_poison", self.admission)
-        if admission.coordinator is None:
+        admission = self.admission
+        if admission is None or admission.coordinator is None:
             return 0
         return len(admission.coordinator.exchange_poison(sync, admission))
 

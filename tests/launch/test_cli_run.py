@@ -254,3 +254,49 @@ def test_leak_guard_sees_a_left_process_and_segment():
         proc.wait()
         seg.unlink(missing_ok=True)
     guard.check(timeout=0.3)
+
+
+# -- hostile records never end a run ------------------------------------------------------
+
+
+def test_hostile_records_fail_alone_and_the_run_completes(tmp_path, capfd):
+    """A lone-surrogate id or spec, a repeated id and a schema jsonschema cannot use."""
+    lines = [
+        r'{"id": "ok-1", "structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 8}',
+        r'{"id": "bad-\ud800", "structured_outputs": {"choice": ["a", "b"]}, "max_tokens": 8}',
+        r'{"id": "ok-1", "structured_outputs": {"regex": "[0-9]{3}"}, "max_tokens": 8}',
+        r'{"id": "odd-schema", "structured_outputs": {"json": {"type": "object",'
+        r' "dependentRequired": 5}}, "max_tokens": 16}',
+        r'{"id": "spec-\u00e9", "structured_outputs": {"choice": ["x\ud800"]}, "max_tokens": 8}',
+    ]
+    wl = tmp_path / "hostile.jsonl"
+    wl.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    rc = main(
+        [
+            "run",
+            str(CONFIGS / "local.yaml"),
+            "--workload",
+            str(wl),
+            "--out",
+            str(out),
+            "--set",
+            "launcher=inline",
+            "--set",
+            "parallel.dp=1",
+            "--set",
+            "parallel.tp=1",
+        ]
+    )
+    assert rc == 0, capfd.readouterr()
+    import json
+
+    recs = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs}
+    assert len(recs) == len(lines)
+    assert by_id["ok-1"]["status"] == "ok"
+    assert by_id["bad-\\ud800"]["error"]["code"] == "record_invalid"
+    assert by_id["ok-1@line2"]["error"]["code"] == "record_invalid"
+    assert by_id["spec-é"]["error"]["code"] == "spec_bad_json"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["json_valid"]["unverifiable"] == 1

@@ -34,8 +34,13 @@ def host_exchange_body(rank: int, world: int) -> dict:
                 session.step(steps)
                 steps += 1
         shared = session.exchange_poison(0)
+        # The shared keys apply from the next step on, on every rank alike.
+        before = session.submit(f"bad-before-{rank}", BAD)
+        session.step(steps)
+        steps += 1
         again = session.submit(f"bad-again-{rank}", BAD)
         return {
+            "before": before.status if rank == 0 else None,
             "steps": steps,
             "shared": shared,
             "status": again.status,

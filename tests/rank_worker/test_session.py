@@ -589,3 +589,19 @@ def test_host_vocabulary_from_tokenizer_info(tiny_tokenizer):
         assert rows.shape == (1, (288 + 31) // 32)
     finally:
         session.close()
+
+
+def test_digests_truncate_forgets_replaced_positions():
+    d = MaskDigests()
+    for pos in range(5):
+        d.record("a", pos, pos + 100)
+    d.record("b", 3, 7)
+    d.truncate("a", 3)
+    assert sorted((r.request_id, r.position) for r in d.records()) == [
+        ("a", 0),
+        ("a", 1),
+        ("a", 2),
+        ("b", 3),
+    ]
+    d.record("a", 3, 999)  # re-masked from new tokens: not a self-mismatch
+    assert not d.self_mismatches
