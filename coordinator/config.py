@@ -54,6 +54,9 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # Ray cluster for `launcher: ray`: "local" starts a private one-node
     # instance; "auto" or "HOST:PORT" joins a running cluster.
     ray_address: str = "local"
+    # Placement group strategy for `launcher: ray`: "PACK" (one node when it
+    # fits), "SPREAD" or "STRICT_SPREAD" (one rank per node).
+    ray_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     # Readiness collective: "all_gather" of one report per rank, or one
     # fixed-size "all_reduce" (BAND) whose size does not grow with the group
     # (reason codes limited to 1..63).

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -193,7 +194,7 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
     session = _session(config, tokenizer, rank, job.run_id)
     ok = False
     try:
-        logger.info("%s", session.layout.describe(session.rank))
+        logger.info("%s on host %s", session.layout.describe(session.rank), socket.gethostname())
         bar, progress = _progress(job.progress and session.rank == 0)
         try:
             if bar is not None:

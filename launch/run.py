@@ -81,7 +81,12 @@ def launch(config: ClusterConfig, workload: str, out_dir: Path, *, progress: boo
         from gramcoord.launch.ray_launcher import launch_ray
 
         outcomes = launch_ray(
-            ENTRY, data, nproc=world, deadline_s=deadline, address=config.distributed.ray_address
+            ENTRY,
+            data,
+            nproc=world,
+            deadline_s=deadline,
+            address=config.distributed.ray_address,
+            strategy=config.distributed.ray_strategy,
         )
     return _result(outcomes, out_dir)
 
