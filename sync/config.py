@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Literal
 
 import msgspec
@@ -22,5 +23,19 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # before sleeping on the control socket: a busy core buys a wake-up in
     # microseconds instead of a scheduler round trip. 0 disables.
     spin_us: Annotated[int, Meta(ge=0, le=1_000_000)] = 1000
-    # Interface for tcp endpoints; loopback unless set.
+    # Address the tcp endpoints bind (readers on other hosts dial it); loopback
+    # unless set. "auto": the address this host's name resolves to, loopback
+    # when that is one. Wildcards (0.0.0.0, ::) are refused.
     interface: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        bare = self.interface.strip().strip("[]")
+        try:
+            wildcard = bare in ("", "*") or ipaddress.ip_address(bare).is_unspecified
+        except ValueError:
+            wildcard = False  # "auto" or an interface name
+        if wildcard:
+            raise ValueError(
+                f"transport.interface {self.interface!r} would listen on every interface; "
+                "name one address, or 'auto' for the one this host's name resolves to"
+            )

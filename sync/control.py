@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import shutil
@@ -47,7 +48,14 @@ from gramcoord.sync.messages import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ControlClient", "ControlServer", "choose_mode", "local_hostname", "pid_alive"]
+__all__ = [
+    "ControlClient",
+    "ControlServer",
+    "choose_mode",
+    "local_hostname",
+    "pid_alive",
+    "resolve_interface",
+]
 
 # Log the first few drops in full, then one line per this many.
 _LOG_FIRST, _LOG_EVERY = 10, 1000
@@ -60,6 +68,47 @@ _IPC_MAX = 100
 def local_hostname() -> str:
     """This host's name, as readers announce it and the writer compares it."""
     return socket.gethostname()
+
+
+def resolve_interface(interface: str) -> str:
+    """The address a tcp endpoint binds for ``TransportConfig.interface``.
+
+    ``"auto"`` is the address this host's name resolves to
+    (``socket.gethostbyname(socket.gethostname())``), so readers on other
+    hosts can dial it; when that is a loopback address, or the name does not
+    resolve, it is ``127.0.0.1``. Any other value is returned unchanged,
+    except wildcards (``0.0.0.0``, ``::``, ``*``, empty), which are refused:
+    the endpoint never listens on every interface.
+
+    Raises
+    ------
+    ValueError
+        For a wildcard address.
+    """
+    value = interface.strip()
+    if value.lower() == "auto":
+        try:
+            addr = socket.gethostbyname(local_hostname())
+        except OSError:
+            return "127.0.0.1"
+        try:
+            ip = ipaddress.ip_address(addr)
+        except ValueError:
+            return "127.0.0.1"
+        return "127.0.0.1" if ip.is_loopback or ip.is_unspecified else addr
+    bare = value.strip("[]")
+    if bare in ("", "*"):
+        raise ValueError(f"transport.interface {interface!r} is a wildcard; name one address")
+    try:
+        wildcard = ipaddress.ip_address(bare).is_unspecified
+    except ValueError:
+        wildcard = False  # an interface name such as eth0
+    if wildcard:
+        raise ValueError(
+            f"transport.interface {interface!r} would listen on every interface; "
+            "name one address (or 'auto')"
+        )
+    return value
 
 
 def choose_mode(kind: str, writer_host: str, reader_host: str) -> Literal["shm", "tcp"] | None:
@@ -137,7 +186,8 @@ class ControlServer:
     run_id
         Run id, part of the private directory's name.
     interface
-        Address for the tcp endpoint (``TransportConfig.interface``).
+        Address for the tcp endpoint (``TransportConfig.interface``;
+        ``"auto"`` is resolved by :func:`resolve_interface`).
     tcp
         Whether to bind a tcp endpoint (readers on other hosts).
     """
@@ -157,15 +207,12 @@ class ControlServer:
         try:
             self._sock.bind(self.ipc_endpoint)
             if tcp:
+                interface = resolve_interface(interface)
                 ipv6 = ":" in interface
                 self._sock.setsockopt(zmq.IPV6, int(ipv6))
                 self._sock.bind(f"tcp://[{interface}]:*" if ipv6 else f"tcp://{interface}:*")
-                bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-                # A wildcard address cannot be dialled: advertise the host name.
-                host, _, port = bound.removeprefix("tcp://").rpartition(":")
-                if host in ("0.0.0.0", "[::]"):
-                    bound = f"tcp://{local_hostname()}:{port}"
-                self.tcp_endpoint = bound
+                # Never a wildcard (resolve_interface refuses them): dialable as is.
+                self.tcp_endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
             self.close()
             raise
