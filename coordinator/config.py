@@ -61,6 +61,12 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # fixed-size "all_reduce" (BAND) whose size does not grow with the group
     # (reason codes limited to 1..63).
     agreement_op: Literal["all_gather", "all_reduce"] = "all_gather"
+    # Group size from which agreement_op all_gather is replaced by all_reduce.
+    # `gramcoord bench scale` (gloo, loopback, 2 cores) found no crossover
+    # up to 64 ranks: the one-round exchange stayed 1.4-3.8x faster than the
+    # ring all_reduce at 64 and 512 pending, so the switch sits past the
+    # measured range. Re-measure on real hosts before lowering it.
+    agreement_reduce_from: PosInt = 128
     # Where DP leaders share newly failed keys: "step" inside every step (so
     # the stage-0 leaders of all replicas step together), or "host": only
     # when the host calls the session's exchange_poison() at one of its own

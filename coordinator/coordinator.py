@@ -176,7 +176,11 @@ class Coordinator:
             comm,
             window=max_pending,
             compile_mode=compile_mode,
-            agreement_op=distributed.agreement_op,
+            # Large groups switch to the fixed-size report; every member sees
+            # the same group size, so all of them pick the same op.
+            agreement_op="all_reduce"
+            if len(layout.agreement_group(comm.rank)) >= distributed.agreement_reduce_from
+            else distributed.agreement_op,
             clock_sync_steps=distributed.clock_sync_steps,
             poison_in_step=distributed.poison_exchange == "step",
         )

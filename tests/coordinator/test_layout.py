@@ -196,3 +196,16 @@ def test_describe_names_roles():
     assert (
         layout(1, 1, 1).describe(0) == "rank 0 (dp0 pp0 tp0: stage leader, first stage, last stage)"
     )
+
+
+def test_large_agreement_groups_switch_to_the_fixed_size_report():
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.coordinator import Coordinator
+    from tests.coordinator.fakes import ThreadComm, ThreadHub
+
+    lay = ParallelLayout.build(ParallelConfig(dp=4, requests="replicated"), 4)
+    hub = ThreadHub()
+    for reduce_from, op in ((4, "all_reduce"), (5, "all_gather")):
+        dist_cfg = DistributedConfig(agreement_reduce_from=reduce_from)
+        coord = Coordinator.from_config(lay, ThreadComm(hub, lay, 0), dist_cfg, max_pending=8)
+        assert coord.agreement.op == op
