@@ -16,6 +16,7 @@ import datetime
 import itertools
 import logging
 import os
+import threading
 import time
 from typing import Literal, Protocol
 
@@ -288,22 +289,44 @@ class Runtime:
     # -- failure -------------------------------------------------------------
 
     def _roll_call(self, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
+        """Ask the store who is still alive, within ``_roll_call_s``.
+
+        A store call can block without bound when the store's host is cut
+        off (a network partition): its own timeout does not cover ``check``.
+        So the calls run on a daemon thread, and a roll call that does not
+        finish in time counts as "the store host is unreachable".
+        """
         if self._store is None:
             return (), "no store for a roll call"
         prefix = f"gramcoord/rt{self._generation}/alive/"
-        try:
-            self._store.set(f"{prefix}{self.rank}", "1")
-            missing = {r for r in ranks if r != self.rank}
-            deadline = time.monotonic() + self._roll_call_s
-            while missing and time.monotonic() < deadline:
-                missing = {r for r in missing if not self._store.check([f"{prefix}{r}"])}
-                if missing:
-                    time.sleep(0.02)
-        except Exception as exc:
-            if self._owns_world and self.rank != 0:  # Runtime.start hosts the store on rank 0
-                return (0,), f"the store host (rank 0) is unreachable ({type(exc).__name__})"
-            return (), f"roll call failed ({type(exc).__name__}; the store host may be lost)"
-        return tuple(sorted(missing)), f"no answer to the roll call within {self._roll_call_s:.1f}s"
+        box: dict[str, object] = {}
+
+        def call() -> None:
+            try:
+                self._store.set(f"{prefix}{self.rank}", "1")
+                missing = {r for r in ranks if r != self.rank}
+                deadline = time.monotonic() + self._roll_call_s
+                while missing and time.monotonic() < deadline:
+                    missing = {r for r in missing if not self._store.check([f"{prefix}{r}"])}
+                    if missing:
+                        time.sleep(0.02)
+                box["missing"] = missing
+            except Exception as exc:
+                box["error"] = exc
+
+        worker = threading.Thread(target=call, name="roll-call", daemon=True)
+        worker.start()
+        worker.join(self._roll_call_s + 0.5)
+        if "missing" in box:
+            missing = box["missing"]
+            return (
+                tuple(sorted(missing)),
+                f"no answer to the roll call within {self._roll_call_s:.1f}s",
+            )
+        what = type(box["error"]).__name__ if "error" in box else "no answer in time"
+        if self.rank != 0:  # the store lives with rank 0 (Runtime.start, and torchrun's agent)
+            return (0,), f"the store host (rank 0) is unreachable ({what})"
+        return (), f"roll call failed ({what}; the store host may be lost)"
 
     def _lost(self, group: str, operation: str, step: int, peer: int | None, exc: BaseException):
         ranks = self.members(group)
