@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import re
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from gramcoord.launch.cli import main
 from gramcoord.launch.hosts import SimulatedHosts, available
 from gramcoord.launch.run import compare_runs
 from gramcoord.sync.control import resolve_interface
+from tests.launch.multihost import torchrun_on_hosts
 
 OK, WHY = available()
 needs_hosts = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")
@@ -46,20 +46,7 @@ def _run_two_hosts(tmp_path: Path, capfd, *, dp: int, tp: int, nproc: tuple[int,
     cfg.write_text(CONFIG % {"dp": dp, "tp": tp, "workload": workload, "limit": LIMIT})
     out = tmp_path / "cross"
     with SimulatedHosts(2) as hosts:
-        procs = []
-        for node in range(2):
-            argv = [
-                "env", "GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1",
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--nproc-per-node", str(nproc[node]),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.names[0]}:29400",
-                "-m", "gramcoord.launch.rank_main", str(cfg), "--out", str(out),
-            ]  # fmt: skip
-            procs.append(
-                hosts.popen(node, argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            )
-        logs = [p.communicate(timeout=200)[0].decode(errors="replace") for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+        torchrun_on_hosts(hosts, cfg, out, nproc)
     ref = tmp_path / "ref"
     one = ["--set", "launcher=inline", "--set", "parallel.dp=1", "--set", "parallel.tp=1"]
     rc = main(["run", str(cfg), "--out", str(ref), *one])

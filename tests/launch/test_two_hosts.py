@@ -7,8 +7,6 @@ mask digests must equal the one-process reference run.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import pytest
 from gramcoord.launch.cli import main
 from gramcoord.launch.hosts import SimulatedHosts, available
 from gramcoord.launch.run import compare_runs
+from tests.launch.multihost import torchrun_on_hosts
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")
@@ -37,20 +36,7 @@ def test_torchrun_two_hosts_matches_the_reference(tmp_path, capfd):
     cfg.write_text(CONFIG % (ROOT / "configs" / "workload.jsonl"))
     out = tmp_path / "two"
     with SimulatedHosts(2) as hosts:
-        procs = []
-        for node in range(2):
-            argv = [
-                "env", "GLOO_SOCKET_IFNAME=eth0", "OMP_NUM_THREADS=1",
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.names[0]}:29400",
-                "-m", "gramcoord.launch.rank_main", str(cfg), "--out", str(out),
-            ]  # fmt: skip
-            procs.append(
-                hosts.popen(node, argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            )
-        logs = [p.communicate(timeout=200)[0].decode(errors="replace") for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-3000:] for x in logs)
+        torchrun_on_hosts(hosts, cfg, out, (1, 1))
     ref = tmp_path / "ref"
     rc = main(
         ["run", str(cfg), "--out", str(ref), "--set", "launcher=inline", "--set", "parallel.dp=1"]
