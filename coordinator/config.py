@@ -74,5 +74,8 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # rates.
     poison_exchange: Literal["step", "host"] = "step"
     # Idle steps (nothing pending) between clock agreements, so poison TTLs
-    # still expire at an agreed instant when no request is waiting.
-    clock_sync_steps: PosInt = 64
+    # still expire at an agreed instant when no request is waiting. With
+    # compile_mode sync (the external launcher) these are the only
+    # collectives while requests run, so a lost peer is noticed within this
+    # many steps plus step_timeout_s: keep it small.
+    clock_sync_steps: PosInt = 8
