@@ -1,8 +1,9 @@
 """Build ``configs/workload.jsonl``, the default workload of ``make run``.
 
 Usage: ``.venv/bin/python configs/make_workload.py [--data DIR] [--out FILE]``.
-``--data`` defaults to the full dev data in ``../shared/data`` beside the
-checkout (``tests/data`` also works, but gives a different workload). The
+``--data`` defaults to ``gramcoord.launch.workload.dev_data_dir()``: the
+full dev set when one is configured or beside the checkout, else the repo's
+``tests/data`` subset (which gives a different workload). The
 output is a pure function of the data and of xgrammar's verdicts: records
 are picked by stable criteria and ordered by a fixed rule, never by a clock.
 
@@ -39,6 +40,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
@@ -46,7 +48,6 @@ from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data"
 DEFAULT_OUT = ROOT / "configs" / "workload.jsonl"
 
 NUM_SCHEMAS = 30
@@ -371,10 +372,12 @@ def build(data: Path, tokenizer: Tokenizer) -> tuple[list[dict], Checker]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="dev-data folder")
+    p.add_argument(
+        "--data", type=Path, default=None, help="dev-data folder (default: dev_data_dir())"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="workload file written")
     args = p.parse_args(argv)
-    records, check = build(args.data, load_tokenizer())
+    records, check = build(args.data or dev_data_dir(), load_tokenizer())
     for rec in records:
         if "expect_error" in rec:
             got = check.error_code(rec["id"], rec["structured_outputs"])

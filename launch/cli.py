@@ -50,6 +50,22 @@ def _parser() -> argparse.ArgumentParser:
         help="override a config value, e.g. grammar.compile_timeout_s=5",
     )
 
+    cfg = sub.add_parser(
+        "config", help="print the resolved config as JSON, or every field with --reference"
+    )
+    cfg.add_argument("config", nargs="?", help="cluster YAML (default: built-in defaults)")
+    cfg.add_argument(
+        "--reference", action="store_true", help="every field, its default and meaning (Markdown)"
+    )
+    cfg.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value before printing it",
+    )
+
     bench = sub.add_parser("bench", help="run benchmarks/NAME.py and write bench.json")
     bench.add_argument("name")
     bench.add_argument("--out", default="bench-out", help="directory for bench.json")
@@ -70,12 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    if args.command in ("run", "verify", "check"):
+    if args.command == "config" and args.reference:
+        from gramcoord.launch.config_doc import reference
+
+        print(reference())
+        return 0
+    if args.command in ("run", "verify", "check", "config"):
         try:
             config = _load(args)
         except ConfigError as exc:
             print(f"gramcoord: config error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "config":
+        import msgspec
+
+        print(msgspec.json.format(msgspec.json.encode(config), indent=2).decode())
+        return 0
     if args.command in ("run", "verify"):
         from rich.console import Console
 

@@ -3,9 +3,9 @@
 Every field of ``ClusterConfig`` is documented by the comment lines right
 above it in its section's source. ``reference()`` renders them as Markdown
 tables (one per section); a test checks that the README embeds exactly this
-text, so the reference cannot drift from the code. Regenerate with::
+text, so the reference cannot drift from the code. Print it with::
 
-    python -m gramcoord.launch.config_doc
+    gramcoord config --reference
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import msgspec
 
 from gramcoord.launch.config import ClusterConfig
 
-BEGIN = "<!-- config-reference: begin (python -m gramcoord.launch.config_doc) -->"
+BEGIN = "<!-- config-reference: begin (gramcoord config --reference) -->"
 END = "<!-- config-reference: end -->"
 
 

@@ -19,5 +19,18 @@ def test_every_config_field_has_a_comment():
 def test_readme_embeds_the_current_reference():
     assert reference() in (ROOT / "README.md").read_text(), (
         "README.md's config reference is stale: regenerate it with "
-        "`python -m gramcoord.launch.config_doc` and paste it between the markers"
+        "`gramcoord config --reference` and paste it between the markers"
     )
+
+
+def test_cli_prints_the_reference_and_the_resolved_config(capsys):
+    from gramcoord.launch.cli import main
+
+    assert main(["config", "--reference"]) == 0
+    assert capsys.readouterr().out.strip() == reference()
+    assert main(["config", str(ROOT / "configs" / "local.yaml"), "--set", "parallel.tp=1"]) == 0
+    import json
+
+    resolved = json.loads(capsys.readouterr().out)
+    assert resolved["parallel"]["dp"] == 2 and resolved["parallel"]["tp"] == 1
+    assert main(["config", "--set", "parallel.dp=two"]) == 2
