@@ -16,6 +16,7 @@ from msgspec import Meta
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.rank_worker.config import (
+    FaultsConfig,
     GrammarConfig,
     ModelConfig,
     SamplingConfig,
@@ -55,18 +56,6 @@ class OutputConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dir: str = "runs/local"
 
 
-class MaskBitFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # The rank that flips a bit of the mask rows it applies...
-    rank: Annotated[int, Meta(ge=0)]
-    # ...at this step. The determinism check must catch it (exit 3).
-    step: Annotated[int, Meta(ge=0)]
-
-
-class FaultsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # Fault injection for tests; nothing is injected unless set.
-    flip_mask_bit: MaskBitFault | None = None
-
-
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # The rank grid {dp, pp, tp}, request streams (partitioned | replicated)
     # and how later stages learn stage 0's decision (pp_sync).
@@ -89,9 +78,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def __post_init__(self) -> None:
         world = self.parallel.world_size
-        fault = self.faults.flip_mask_bit
-        if fault is not None and fault.rank >= world:
-            raise ValueError(f"faults.flip_mask_bit.rank {fault.rank} is not a rank of {world}")
+        for where, rank in self.faults.ranks().items():
+            if rank >= world:
+                raise ValueError(f"{where} {rank} is not a rank of a world of {world}")
         if self.parallel.tp_followers != "none":
             raise ValueError(
                 "parallel.tp_followers is for engines whose TP ranks run schedulers of their "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import typing
 
 import msgspec
 
@@ -46,16 +47,28 @@ def _default(value: object) -> str:
     return f"`{msgspec.json.encode(value).decode()}`"
 
 
+def _optional_struct(tp: object) -> type | None:
+    """The struct inside ``Struct | None``, else None."""
+    args = typing.get_args(tp)
+    structs = [a for a in args if isinstance(a, type) and issubclass(a, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 and type(None) in args else None
+
+
 def _rows(cls: type, prefix: str) -> list[tuple[str, str, str]]:
     comments = field_comments(cls)
-    defaults = cls()
+    hints = typing.get_type_hints(cls, include_extras=False)
     rows = []
-    for name in cls.__struct_fields__:
-        value = getattr(defaults, name)
+    for f in msgspec.structs.fields(cls):
+        name = f.name
+        value = f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
         if isinstance(value, msgspec.Struct):
             rows += _rows(type(value), f"{prefix}{name}.")
             continue
         rows.append((f"{prefix}{name}", _default(value), comments.get(name, "")))
+        inner = _optional_struct(hints.get(name))
+        if value is None and inner is not None:
+            # An optional sub-section (e.g. a fault): its fields, when set.
+            rows += _rows(inner, f"{prefix}{name}.")
     return rows
 
 

@@ -190,7 +190,6 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
     requests = load_requests(config, job.workload)
     model = make_model(config.model, tokenizer)
     sampler = Sampler(config.sampling)
-    fault = config.faults.flip_mask_bit
     session = _session(config, tokenizer, rank, job.run_id)
     ok = False
     try:
@@ -206,7 +205,6 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
                 sampler,
                 config.speculative,
                 per_step=config.workload.arrivals_per_step,
-                flip_mask_bit_step=fault.step if fault and fault.rank == session.rank else -1,
                 progress=progress,
             )
         finally:

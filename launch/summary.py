@@ -51,6 +51,9 @@ class Summary(msgspec.Struct, kw_only=True):
     latency_ms: dict[str, Percentiles]
     cache: dict[str, int]
     json_valid: dict[str, int]
+    # Control frames the TP readers dropped (malformed, stale) and the
+    # writers garbled on purpose (faults.corrupt_frames_every).
+    transport: dict[str, int]
     determinism: Determinism
     steps: int
     wall_s: float
@@ -158,6 +161,10 @@ def merge(
             "joined": sum(s.joined for s in stats),
         },
         json_valid=checker.counts(),
+        transport={
+            "dropped": sum(r.stats.transport_dropped for r in reports if r.stats),
+            "corrupted": sum(r.stats.transport_corrupted for r in reports if r.stats),
+        },
         determinism=det,
         steps=max((r.steps for r in reports), default=0),
         wall_s=round(wall_s, 3),

@@ -7,6 +7,7 @@ decode time with the field's JSON path (``$.grammar.compile_timeout_s``).
 from __future__ import annotations
 
 import os
+import re
 from typing import Annotated, Literal
 
 import msgspec
@@ -154,3 +155,74 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Most requests in one step's batch (constrained and unconstrained).
     # Sizes the bitmask buffer and the transport's ring slots.
     max_num_seqs: Annotated[int, Meta(ge=1, le=4096)] = 32
+
+
+class CompileDelayFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Compiles whose spec text matches this regex (re.search) are delayed...
+    pattern: str
+    # ...on this rank only...
+    rank: Annotated[int, Meta(ge=0)]
+    # ...by this many seconds before the compile starts; .inf hangs it until
+    # the process exits (the compile deadline turns it into grammar_timeout).
+    seconds: Annotated[float, Meta(ge=0)]
+    # How many matching compiles are delayed (0 = every one), so a key that
+    # timed out can be seen re-admitted once its poison expires.
+    times: Annotated[int, Meta(ge=0)] = 1
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"faults.compile_delay.pattern is not a regex: {exc}") from None
+
+
+class ReaderStallFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # The TP worker (a rank that reads its leader's rows) that falls behind:
+    rank: Annotated[int, Meta(ge=0)]
+    # for this many seconds it keeps every ring slot it reads instead of
+    # releasing it, so the writer runs out of slots and must name it
+    # (TransportTimeout)...
+    seconds: Annotated[float, Meta(ge=0)]
+    # ...starting at this step.
+    step: Annotated[int, Meta(ge=0)] = 0
+
+
+class MaskBitFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # The rank that flips a bit of the mask rows it applies...
+    rank: Annotated[int, Meta(ge=0)]
+    # ...at this step. The determinism check must catch it (exit 3).
+    step: Annotated[int, Meta(ge=0)]
+
+
+class FaultsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Fault injection for tests and drills. Nothing is injected unless set,
+    # and an unset section costs nothing (no hook is installed).
+    # This rank SIGKILLs itself at the start of step ``at_step``.
+    kill_rank: Annotated[int, Meta(ge=0)] | None = None
+    # This rank stops making progress at the start of step ``at_step``
+    # (it sleeps until the launcher or its peers end it).
+    hang_rank: Annotated[int, Meta(ge=0)] | None = None
+    # The step at which kill_rank / hang_rank act.
+    at_step: Annotated[int, Meta(ge=0)] = 0
+    # Delay or hang the compile of matching keys on one rank.
+    compile_delay: CompileDelayFault | None = None
+    # A TP worker that stops giving its ring slots back for a while.
+    stall_reader: ReaderStallFault | None = None
+    # Every N-th control frame a bitmask writer sends is corrupted: an shm
+    # reader's announcement is garbled (the reader must recover it from the
+    # ring), a tcp reader gets a garbled copy ahead of the real frame (the
+    # frame is the rows' only copy). Readers count them as dropped. 0 = off.
+    corrupt_frames_every: Annotated[int, Meta(ge=0)] = 0
+    # Flip one mask bit on one rank; the determinism check must catch it.
+    flip_mask_bit: MaskBitFault | None = None
+
+    def ranks(self) -> dict[str, int]:
+        """Every rank a fault names, by field path (checked against the world)."""
+        named = {
+            "faults.kill_rank": self.kill_rank,
+            "faults.hang_rank": self.hang_rank,
+            "faults.compile_delay.rank": self.compile_delay and self.compile_delay.rank,
+            "faults.stall_reader.rank": self.stall_reader and self.stall_reader.rank,
+            "faults.flip_mask_bit.rank": self.flip_mask_bit and self.flip_mask_bit.rank,
+        }
+        return {k: v for k, v in named.items() if isinstance(v, int)}

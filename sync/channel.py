@@ -107,6 +107,11 @@ class BitmaskChannel:
         Run id for the segment and directory names; random when None.
     label
         Distinguishes several channels of one run (e.g. one per stage).
+    corrupt_every
+        Fault injection: garble every N-th control frame (0 = never). An
+        shm reader's announcement is garbled in place, since the reader can
+        recover it from the ring slot; a tcp reader gets a garbled copy
+        ahead of the real frame, which carries the rows' only copy.
 
     Notes
     -----
@@ -125,8 +130,13 @@ class BitmaskChannel:
         config: TransportConfig | None = None,
         run_id: str | None = None,
         label: str = "ring",
+        corrupt_every: int = 0,
     ) -> None:
         self._config = config or TransportConfig()
+        # Fault injection (``faults.corrupt_frames_every``): 0 = off.
+        self._corrupt_every = corrupt_every
+        self._sent = 0
+        self.corrupted = 0
         self._names = tuple(readers)
         bad = [n for n in self._names if not valid_reader_name(n)]
         if bad or not self._names:
@@ -315,12 +325,15 @@ class BitmaskChannel:
         frame = b""
         try:
             for peer in self._roster.peers.values():
+                corrupt = self._corrupt_next()
                 if peer.mode == "shm":
-                    self._control.send(peer.name, ready)
+                    self._control.send(peer.name, _garbled(ready) if corrupt else ready)
                 else:
                     frame = frame or self._control.encode(
                         BitmaskFrame(step, rows, self._width, order, drafts)
                     )
+                    if corrupt:
+                        self._control.send(peer.name, _garbled(frame), data=view)
                     # Zero-copy from the slot: safe because the slot is not
                     # rewritten before this reader's Release arrives.
                     self._control.send(peer.name, frame, data=view)
@@ -399,6 +412,15 @@ class BitmaskChannel:
             raise ValueError(f"bad step, request ids or draft counts: {exc}") from None
         return ready, message.num_drafts
 
+    def _corrupt_next(self) -> bool:
+        if not self._corrupt_every:
+            return False
+        self._sent += 1
+        if self._sent % self._corrupt_every:
+            return False
+        self.corrupted += 1
+        return True
+
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("the channel is closed")
@@ -421,3 +443,8 @@ class BitmaskChannel:
         while (got := self._control.recv(timeout)) is not None:
             self._roster.handle(*got)
             timeout = 0
+
+
+def _garbled(payload: bytes) -> bytes:
+    """``payload`` with every byte inverted: it no longer decodes as a message."""
+    return bytes(b ^ 0xFF for b in payload)

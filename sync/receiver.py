@@ -277,6 +277,11 @@ class BitmaskReceiver:
                 got = self._client.recv(min(remaining, _SLICE_S))
                 if got is None:
                     self._check_writer()
+                    # An announcement lost or garbled on the socket is still
+                    # in the ring slot: look once per slice.
+                    polled = self._ring is not None and POLLING_IS_SAFE
+                    if polled and (result := self._poll_ring(step, 0.0)) is not None:
+                        return result
                 elif (result := self._take(step, *got)) is not None:
                     return result
         except WriterLost:
@@ -388,6 +393,10 @@ class BitmaskReceiver:
                 f"but the writer published step {message.step}",
                 peers=[self.name],
             )
+        if self._polled:
+            # Steps taken from the ring whose announcement never came (lost
+            # or garbled on the socket) are forgotten once a later one does.
+            self._polled = {s for s in self._polled if s > step}
         return self._accept(message, view, frame)
 
     def _accept(

@@ -83,9 +83,6 @@ class LastStage:
         Greedy or seeded sampling (identical on every rank).
     make_drafter:
         Leader only: ``ModelRequest -> Drafter | None``.
-    flip_mask_bit:
-        Fault injection for tests: flip one bit of the first applied row at
-        this step on this rank, so the determinism check must catch it.
     """
 
     def __init__(
@@ -96,7 +93,6 @@ class LastStage:
         timings: Timings,
         *,
         make_drafter: Callable[[ModelRequest], object | None] | None = None,
-        flip_mask_bit_step: int = -1,
     ) -> None:
         self.session = session
         self.model = model
@@ -107,7 +103,10 @@ class LastStage:
         self.stop_ids = frozenset(session.tokenizer.stop_ids)
         self.views: dict[str, _View] = {}
         self.k = session.k
-        self._flip_step = flip_mask_bit_step
+        # Fault injection (``faults.flip_mask_bit``): flip one bit of the
+        # first row applied at or after this step, so the determinism check
+        # must catch it; -1 when unset.
+        self._flip_step = session.faults.flip_step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-build") if self.leader else None
         # Failures of this stage's admission (e.g. grammar_stage_timeout).
         self.stage_failures: dict[str, tuple[str, str]] = {}
@@ -211,7 +210,11 @@ class LastStage:
                 frame.step, logits, runnable, constrained, got.rows
             )
         finally:
-            reader.release(frame.step)
+            # (Fault injection: a stalled reader keeps its slots; a later
+            # release gives back every earlier step too.)
+            faults = self.session.faults
+            if faults.stall is None or not faults.holds_slot(frame.step):
+                reader.release(frame.step)
         offset = 0
         for s in runnable:
             n = 1 + len(s.drafts)

@@ -77,7 +77,6 @@ def run_loop(
     speculative: SpeculativeConfig,
     *,
     per_step: int = 0,
-    flip_mask_bit_step: int = -1,
     progress: Progress | None = None,
 ) -> RankReport:
     """Run this rank's part of every step until the run is done.
@@ -88,9 +87,6 @@ def run_loop(
         The whole workload; the origin takes its replica's share.
     per_step:
         Arrivals per step at each origin; 0 = everything at step 0.
-    flip_mask_bit_step:
-        Fault injection: this rank flips a bit of the rows it applies at
-        that step (the determinism check must catch it).
     progress:
         ``(finished, total)`` after each step, on origin ranks.
 
@@ -114,7 +110,6 @@ def run_loop(
             make_drafter=(lambda req: make_drafter(speculative, tokenizer, req))
             if session.is_leader
             else None,
-            flip_mask_bit_step=flip_mask_bit_step,
         )
     origin = None
     if session.is_leader and c.pp == 0:
@@ -141,8 +136,11 @@ def run_loop(
         frame_dsts = [layout.rank_of(c.dp, 0, t) for t in range(1, layout.tp)] + frame_dsts
     link = session.link
     step = 0
+    faults = session.faults
     try:
         while True:
+            if faults.per_step:
+                faults.on_step(step)
             if origin is not None:
                 frame = _origin_step(session, origin, last, step, next_leader, frame_dsts, timings)
                 if progress is not None:

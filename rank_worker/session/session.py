@@ -45,7 +45,9 @@ from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.admission import STAGE_WAIT_SHARE, Admission
+from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder
@@ -141,6 +143,7 @@ class RankSession(SessionMasks):
         self._awaiting: set[str] = set()
         self._gate = Gate.from_config(config.grammar)
         self._stats = SessionStats()
+        self.faults = RankFaults.of(config.faults, rank)
         width = (tokenizer.vocab_size + 31) // 32
         max_seqs = config.scheduler.max_num_seqs
         try:
@@ -149,7 +152,10 @@ class RankSession(SessionMasks):
             if self.is_follower and self.followers == "read":
                 self.book = FollowerBook()
             if self.is_leader or (self.is_follower and self.followers == "fill"):
-                self.manager = GrammarManager(config.grammar, tokenizer)
+                compile_fn = None
+                if self.faults.compile_delay is not None:
+                    compile_fn = self.faults.wrap_compile(XGrammarBackend(tokenizer))
+                self.manager = GrammarManager(config.grammar, tokenizer, compile_fn=compile_fn)
             if self.is_leader:
                 self.admission = (
                     Admission.build(self.manager, layout, runtime, config.distributed)
@@ -309,6 +315,7 @@ class RankSession(SessionMasks):
                 config=self.config.transport,
                 run_id=run_id,
                 label=f"dp{c.dp}",
+                corrupt_every=self.faults.corrupt_every,
             )
             data = msgspec.msgpack.encode(self.channel.handle)
             for r in group[1:]:
@@ -547,6 +554,7 @@ class RankSession(SessionMasks):
         s.jump_forward = self.jump.stats if self.jump is not None else None
         if self.channel is not None:
             s.transport_dropped = self.channel.dropped
+            s.transport_corrupted = self.channel.corrupted
         elif self.reader is not None:
             s.transport_dropped = self.reader.dropped
         return s

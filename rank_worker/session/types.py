@@ -8,7 +8,12 @@ import msgspec
 import numpy as np
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
-from gramcoord.rank_worker.config import GrammarConfig, SchedulerConfig, SpeculativeConfig
+from gramcoord.rank_worker.config import (
+    FaultsConfig,
+    GrammarConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from gramcoord.rank_worker.errors import GrammarError
 from gramcoord.rank_worker.grammars.manager import ManagerStats, Outcome
 from gramcoord.rank_worker.masks.jump_forward import JumpStats
@@ -45,6 +50,7 @@ class SessionConfig(msgspec.Struct, frozen=True, kw_only=True):
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    faults: FaultsConfig = msgspec.field(default_factory=FaultsConfig)
 
     @classmethod
     def of(cls, config: Any) -> SessionConfig:
@@ -83,3 +89,5 @@ class SessionStats(msgspec.Struct, kw_only=True):
     masks_built: int = 0
     rows_applied: int = 0
     transport_dropped: int = 0
+    # Control frames this writer garbled on purpose (faults.corrupt_frames_every).
+    transport_corrupted: int = 0

@@ -306,3 +306,34 @@ def test_hypothesis_frames_never_break_a_reader(run_id, kind, spin_us):
         reader.receive(sent)
     assert reader.dropped == sent  # one per example, each counted once
     reader.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "spin_us"),
+    [
+        pytest.param("auto", 0, id="shm"),
+        pytest.param("auto", 1000, id="shm-polling"),
+        pytest.param("tcp", 0, id="tcp"),
+    ],
+)
+def test_garbled_frames_are_dropped_and_every_step_still_arrives(run_id, kind, spin_us):
+    # faults.corrupt_frames_every: an shm announcement is garbled in place
+    # (the reader finds the step in the ring slot), a tcp reader gets a
+    # garbled copy before the real frame.
+    channel = BitmaskChannel(
+        readers=["tp1"],
+        vocab_size=VOCAB,
+        max_rows=MAX_ROWS,
+        config=TransportConfig(kind=kind, num_slots=2, timeout_s=5.0, handshake_timeout_s=5.0),
+        run_id=run_id,
+        corrupt_every=2,
+    )
+    with channel:
+        reader = join(channel, spin_us=spin_us)["tp1"]
+        for step in range(8):
+            roundtrip(channel, reader, step)
+        channel.drain()
+        assert channel.corrupted == 4
+        reader.close()
+    # Every garbled frame reached the reader and was counted there once.
+    assert reader.dropped == 4

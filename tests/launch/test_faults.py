@@ -1,0 +1,215 @@
+"""Fault injection through the ``faults`` config section (issue 11, part 1).
+
+Each test sets one fault with ``--set faults....`` and checks what must
+notice it:
+
+- a killed rank: run as a host would (one process per rank, no agent that
+  stops the others), the survivor exits 1 within ``step_timeout_s + 10 s``
+  naming the lost rank (``PeerLostError``);
+- a hung rank under ``gramcoord run`` (torchrun): the survivor names it, the
+  run exits 1, and the hung process is ended with the run;
+- a stalled TP reader: the writer names it (``TransportTimeout``);
+- corrupted transport frames: counted, and the outputs do not change;
+- an unset section: nothing is injected (every other e2e test runs that way).
+
+Every test runs under the e2e leak guard: no process and no ``/dev/shm``
+entry may outlive it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gramcoord.launch.cli import main
+from gramcoord.launch.config import ConfigError, load_config
+from tests.launch.e2e_support import (
+    CONFIGS,
+    SMALL_IDS,
+    SMALL_MAX_TOKENS,
+    LeakGuard,
+    read_outputs,
+    read_summary,
+    sets,
+    squash,
+    write_workload,
+)
+from tests.procs import free_port
+
+STEP_TIMEOUT_S = 5.0
+BOUND_S = STEP_TIMEOUT_S + 10
+QUICK = (
+    f"distributed.step_timeout_s={STEP_TIMEOUT_S}",
+    "distributed.run_timeout_s=120",
+    "grammar.compile_mode=sync",
+    "workload.arrival=all",
+)
+
+
+@pytest.fixture(autouse=True)
+def leak_guard(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")
+    guard = LeakGuard()
+    yield guard
+    guard.check()
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    path = tmp_path_factory.mktemp("workload") / "small.jsonl"
+    return write_workload(path, SMALL_IDS, max_tokens=SMALL_MAX_TOKENS)
+
+
+def _cli(capfd, config, workload, out, *overrides) -> tuple[int, str]:
+    argv = ["run", str(CONFIGS / config), "--workload", str(workload), "--out", str(out)]
+    rc = main(argv + sets(*QUICK, *overrides))
+    captured = capfd.readouterr()
+    return rc, squash(captured.out + "\n" + captured.err)
+
+
+# -- the config section -------------------------------------------------------------
+
+
+def test_faults_parse_from_overrides_and_name_bad_fields():
+    config = load_config(
+        CONFIGS / "local.yaml",
+        [
+            "faults.kill_rank=1",
+            "faults.at_step=3",
+            "faults.compile_delay={pattern: x, rank: 0, seconds: .inf}",
+        ],
+    )
+    assert (config.faults.kill_rank, config.faults.at_step) == (1, 3)
+    assert config.faults.compile_delay.seconds == float("inf")
+    assert config.faults.ranks() == {"faults.kill_rank": 1, "faults.compile_delay.rank": 0}
+    with pytest.raises(ConfigError, match=r"faults.hang_rank 4 is not a rank of a world of 4"):
+        load_config(CONFIGS / "local.yaml", ["faults.hang_rank=4"])
+    with pytest.raises(ConfigError, match=r"faults\.compile_delay\.pattern is not a regex"):
+        load_config(None, ["faults.compile_delay={pattern: '(', rank: 0, seconds: 1}"])
+    with pytest.raises(ConfigError, match="corrupt_frames_every"):
+        load_config(None, ["faults.corrupt_frames_every=-1"])
+    # Unset: no fault anywhere.
+    assert load_config(CONFIGS / "local.yaml").faults.ranks() == {}
+
+
+# -- a killed rank, ranks started as a host starts them -------------------------------
+
+
+def _rank_procs(tmp_path, workload, world: int, overrides: list[str]) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        argv = [sys.executable, "-m", "gramcoord.launch.rank_main", str(CONFIGS / "local.yaml")]
+        argv += ["--workload", str(workload), "--out", str(tmp_path), "--run-id", "faultkill"]
+        argv += sets("launcher=external", *QUICK, *overrides)
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    return procs
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_killed_rank_is_named_by_the_survivor_within_the_bound(tmp_path, workload):
+    procs = _rank_procs(
+        tmp_path,
+        workload,
+        2,
+        ["parallel.tp=1", "parallel.requests=replicated", "faults.kill_rank=1", "faults.at_step=3"],
+    )
+    try:
+        killed, survivor = procs[1], procs[0]
+        killed.wait(timeout=120)
+        died = time.monotonic()
+        assert killed.returncode == -9, killed.stderr.read()
+        _, err = survivor.communicate(timeout=BOUND_S + 30)
+        took = time.monotonic() - died
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+    assert survivor.returncode == 1, err
+    assert took <= BOUND_S, f"the survivor took {took:.1f} s after the kill"
+    assert re.search(r"gramcoord: PeerLostError: .*rank 1\b", err), err
+    assert "kills itself at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+# -- a hung rank under gramcoord run ---------------------------------------------------
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_hung_rank_fails_the_run_naming_it(tmp_path, workload, capfd):
+    start = time.monotonic()
+    rc, text = _cli(
+        capfd,
+        "local.yaml",
+        workload,
+        tmp_path,
+        "parallel.tp=1",
+        "faults.hang_rank=1",
+        "faults.at_step=3",
+    )
+    took = time.monotonic() - start
+    assert rc == 1, text
+    assert "PeerLostError" in text and re.search(r"rank 1\b", text), text
+    # Start-up, three steps, then the step timeout and the bound.
+    assert took <= 60 + BOUND_S, took
+    assert "hangs at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+# -- the TP transport ------------------------------------------------------------------------
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_stalled_reader_is_named_by_the_writer(tmp_path, workload, capfd):
+    rc, text = _cli(
+        capfd,
+        "local.yaml",
+        workload,
+        tmp_path,
+        "parallel.dp=1",
+        "transport.timeout_s=2",
+        "distributed.step_timeout_s=30",
+        "faults.stall_reader={rank: 1, seconds: 60, step: 1}",
+    )
+    assert rc == 1, text
+    assert "TransportTimeout" in text and "rank1" in text, text
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_corrupted_frames_are_counted_and_change_nothing(tmp_path, workload, capfd, kind):
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    common = ("parallel.dp=1", f"transport.kind={kind}")
+    rc, text = _cli(capfd, "local.yaml", workload, clean, *common)
+    assert rc == 0, text
+    rc, text = _cli(capfd, "local.yaml", workload, faulty, *common, "faults.corrupt_frames_every=2")
+    assert rc == 0, text
+    transport = read_summary(faulty)["transport"]
+    assert transport["corrupted"] >= 2, transport
+    # Every garbled frame reached the reader and was dropped there.
+    assert transport["dropped"] == transport["corrupted"], transport
+    assert read_summary(clean)["transport"] == {"dropped": 0, "corrupted": 0}
+    assert [(o["id"], o["token_ids"], o["status"]) for o in read_outputs(faulty)] == [
+        (o["id"], o["token_ids"], o["status"]) for o in read_outputs(clean)
+    ]
