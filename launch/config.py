@@ -42,6 +42,13 @@ class WorkloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     arrival: Literal["all", "per_step"] = "all"
     # Arrivals per step when arrival is "per_step".
     per_step: Annotated[int, Meta(ge=1)] = 4
+    # Read the file this many times (ids get a "#pass" suffix): a soak.
+    repeat: Annotated[int, Meta(ge=1)] = 1
+    # A second JSONL (.jsonl.gz too) mixed into the stream, cycled: e.g. the
+    # hostile corpus. Empty = none.
+    mix_path: str = ""
+    # One mix_path record after every mix_every - 1 records of path.
+    mix_every: Annotated[int, Meta(ge=2)] = 10
     # max_tokens for records that do not set one.
     max_tokens: Annotated[int, Meta(ge=1)] = 256
 

@@ -29,8 +29,9 @@ from pathlib import Path
 import msgspec
 
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
+from gramcoord.launch.resources import ResourceProbe
 from gramcoord.launch.summary import Summary, digests_by_request, merge, write_run
-from gramcoord.launch.workload import read_workload
+from gramcoord.launch.workload import stream_workload
 from gramcoord.rank_worker.engine.loop import RankReport, run_loop
 from gramcoord.rank_worker.engine.models import make_model
 from gramcoord.rank_worker.engine.requests import EngineRequest
@@ -61,7 +62,11 @@ def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
     """The workload's records as engine requests, in file order."""
     out = []
     first_line: dict[str, int] = {}
-    for rec in read_workload(path, config.workload.limit):
+    w = config.workload
+    stream = stream_workload(
+        path, limit=w.limit, repeat=w.repeat, mix_path=w.mix_path or None, mix_every=w.mix_every
+    )
+    for rec in stream:
         rid, error = rec.id, rec.error
         try:
             rid.encode("utf-8")
@@ -190,6 +195,8 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
     requests = load_requests(config, job.workload)
     model = make_model(config.model, tokenizer)
     sampler = Sampler(config.sampling)
+    probe = ResourceProbe(rank)
+    probe.start()
     session = _session(config, tokenizer, rank, job.run_id)
     ok = False
     try:
@@ -206,7 +213,9 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
                 config.speculative,
                 per_step=config.workload.arrivals_per_step,
                 progress=progress,
+                on_step=probe.on_step,
             )
+            probe.end_of_loop(report.steps)
         finally:
             if bar is not None:
                 bar.stop()
@@ -219,6 +228,7 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
         ok = True
     finally:
         session.close(drain=ok)
+    probe.after_close(out_dir / "logs")
     if rank != 0:
         return None
     reports = [msgspec.msgpack.decode(g, type=RankReport) for g in gathered]

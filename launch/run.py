@@ -23,10 +23,11 @@ from rich.console import Console
 
 from gramcoord.launch.config import ClusterConfig
 from gramcoord.launch.launchers import RankOutcome, launch_inline, launch_torchrun
-from gramcoord.launch.procs import format_failures
+from gramcoord.launch.procs import format_failures, patched_environ
 from gramcoord.launch.rank_main import ENTRY, RankJob
 from gramcoord.launch.report import summary_table
-from gramcoord.launch.summary import Summary
+from gramcoord.launch.resources import RUN_ID_ENV, collect
+from gramcoord.launch.summary import Summary, write_summary
 
 EXIT_OK, EXIT_INFRA, EXIT_CONFIG, EXIT_DETERMINISM = 0, 1, 2, 3
 _DETERMINISM_ERRORS = ("DeterminismError", "DeterminismMismatch")
@@ -43,6 +44,9 @@ def check_inputs(config: ClusterConfig, workload: str) -> str | None:
     """What is wrong with the inputs before any process starts, if anything."""
     if not Path(workload).is_file():
         return f"workload {workload} not found"
+    mix = config.workload.mix_path
+    if mix and not Path(mix).is_file():
+        return f"workload.mix_path {mix} not found"
     if config.model.kind == "hf" and not Path(config.model.path or "").is_dir():
         return f"model.path {config.model.path} is not a directory"
     if config.launcher == "external":
@@ -62,6 +66,18 @@ def launch(config: ClusterConfig, workload: str, out_dir: Path, *, progress: boo
         run_id=secrets.token_hex(4),
         progress=progress,
     )
+    # Every rank process inherits it, so leftovers can be found (resources.py).
+    with patched_environ({RUN_ID_ENV: job.run_id}):
+        outcomes = _start(config, job)
+    result = _result(outcomes, out_dir)
+    if result.summary is not None:
+        result.summary.resources = collect(out_dir, job.run_id, config.parallel.world_size)
+        write_summary(out_dir, result.summary)
+    return result
+
+
+def _start(config: ClusterConfig, job: RankJob) -> list[RankOutcome]:
+    out_dir = Path(job.out_dir)
     data = msgspec.msgpack.encode(job)
     world = config.parallel.world_size
     deadline = config.distributed.run_timeout_s
@@ -88,7 +104,7 @@ def launch(config: ClusterConfig, workload: str, out_dir: Path, *, progress: boo
             address=config.distributed.ray_address,
             strategy=config.distributed.ray_strategy,
         )
-    return _result(outcomes, out_dir)
+    return outcomes
 
 
 def _result(outcomes: list[RankOutcome], out_dir: Path) -> RunResult:

@@ -58,6 +58,10 @@ class Summary(msgspec.Struct, kw_only=True):
     steps: int
     wall_s: float
     config: dict[str, Any]
+    # Filled by ``gramcoord run`` once every rank exited (launch/resources.py):
+    # RSS at warm-up and at the end, threads left, leaked /dev/shm entries
+    # and leftover processes.
+    resources: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def _compare_digests(reports: Sequence[RankReport], det: Determinism) -> None:
@@ -199,4 +203,9 @@ def write_run(
     with open(out_dir / "digests.jsonl", "w") as f:
         for rid, rows in digests.items():
             f.write(json.dumps({"id": rid, "rows": rows}) + "\n")
-    (out_dir / "summary.json").write_bytes(msgspec.json.format(enc.encode(summary), indent=2))
+    write_summary(out_dir, summary)
+
+
+def write_summary(out_dir: Path, summary: Summary) -> None:
+    data = msgspec.json.encode(summary)
+    (out_dir / "summary.json").write_bytes(msgspec.json.format(data, indent=2))

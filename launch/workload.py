@@ -19,6 +19,7 @@ without losing its place.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -85,14 +86,52 @@ def parse_record(index: int, line: str) -> WorkloadRecord:
     )
 
 
-def read_workload(path: str | Path, limit: int = 0) -> Iterator[WorkloadRecord]:
-    """Yield records from a JSONL file, skipping blank lines."""
-    index = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
+def _lines(path: str | Path) -> Iterator[str]:
+    """Non-blank lines of a JSONL file, gzip-compressed when it ends in ``.gz``."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
         for line in f:
-            if not line.strip():
-                continue
-            yield parse_record(index, line)
+            if line.strip():
+                yield line
+
+
+def read_workload(path: str | Path, limit: int = 0) -> Iterator[WorkloadRecord]:
+    """Yield records from a JSONL file (``.jsonl.gz`` too), skipping blank lines."""
+    for index, line in enumerate(_lines(path)):
+        if limit and index >= limit:
+            return
+        yield parse_record(index, line)
+
+
+def stream_workload(
+    path: str | Path,
+    *,
+    limit: int = 0,
+    repeat: int = 1,
+    mix_path: str | Path | None = None,
+    mix_every: int = 10,
+) -> Iterator[WorkloadRecord]:
+    """The request stream of a run: ``path`` read ``repeat`` times, with
+    ``mix_path``'s records (cycled) mixed in, one after every ``mix_every - 1``.
+
+    Ids stay unique: with ``repeat > 1`` each pass adds ``#pass`` to its ids,
+    and a mixed record adds ``#n`` (its n-th use). ``index`` counts the
+    stream. ``limit`` (0 = none) bounds the stream.
+    """
+    mixed = [parse_record(i, line) for i, line in enumerate(_lines(mix_path))] if mix_path else []
+    uses = 0
+    index = 0
+    for rnd in range(repeat):
+        for rec in read_workload(path):
+            if mixed and index % mix_every == mix_every - 1:
+                extra = mixed[uses % len(mixed)]
+                yield msgspec.structs.replace(extra, index=index, id=f"{extra.id}#{uses}")
+                uses += 1
+                index += 1
+                if limit and index >= limit:
+                    return
+            rid = f"{rec.id}#{rnd}" if repeat > 1 else rec.id
+            yield msgspec.structs.replace(rec, index=index, id=rid)
             index += 1
             if limit and index >= limit:
                 return

@@ -78,6 +78,7 @@ def run_loop(
     *,
     per_step: int = 0,
     progress: Progress | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> RankReport:
     """Run this rank's part of every step until the run is done.
 
@@ -89,6 +90,9 @@ def run_loop(
         Arrivals per step at each origin; 0 = everything at step 0.
     progress:
         ``(finished, total)`` after each step, on origin ranks.
+    on_step:
+        Called with the step number as each step starts, on every rank
+        (resource sampling).
 
     Raises
     ------
@@ -141,6 +145,8 @@ def run_loop(
         while True:
             if faults.per_step:
                 faults.on_step(step)
+            if on_step is not None:
+                on_step(step)
             if origin is not None:
                 frame = _origin_step(session, origin, last, step, next_leader, frame_dsts, timings)
                 if progress is not None:

