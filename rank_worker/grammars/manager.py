@@ -137,7 +137,9 @@ class GrammarManager:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        backend = compile_fn or XGrammarBackend(tokenizer)
+        backend = compile_fn or XGrammarBackend(
+            tokenizer, cache_limit_bytes=int(config.cache_limit_mb * 2**20)
+        )
         self.service = CompileService(config, backend, clock=clock)
         self.cache = CompileCache(
             max_bytes=int(config.cache_limit_mb * 2**20), max_entries=config.num_cache_entries

@@ -19,7 +19,8 @@ import msgspec
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
-from gramcoord.rank_worker.grammars.schema_lint import inexact_one_ofs, walk_schema
+from gramcoord.rank_worker.grammars.schema_lint import walk_schema
+from gramcoord.rank_worker.grammars.schema_reach import inexact_one_ofs, unenforced_required
 
 MAX_DEPTH = 64
 MAX_DEPTH_STRUCTURAL_TAG = 80
@@ -148,6 +149,10 @@ def _check_size(text: str, config: GrammarConfig, field: str) -> None:
 
 def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[str, list[str]]:
     schema = _load_json_value(value, "json", config)
+    if not isinstance(value, str):
+        # A schema given as an object is sized before the walk too: a hostile
+        # 5 MB object fails in one C-speed dump, not after seconds of lint.
+        _check_size(_canonical_json(schema), config, "json")
     if schema is True or schema == {}:
         schema = {}
     elif schema is False:
@@ -172,9 +177,12 @@ def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[
         path, ref = found.broken_refs[0]
         raise SpecError(ErrorCode.spec_bad_json, f"$ref {ref!r} at {path} does not resolve")
     warnings: list[str] = []
-    if found.ignored:
-        detail = "; ".join(f"{p}: {m}" for p, m in found.ignored[:5])
-        more = f" (+{len(found.ignored) - 5} more)" if len(found.ignored) > 5 else ""
+    # Follows the converter's reach, which depends on strict_mode: checked
+    # with the request's own.
+    ignored = found.ignored + unenforced_required(canonical, strict_mode=strict_mode)
+    if ignored:
+        detail = "; ".join(f"{p}: {m}" for p, m in ignored[:5])
+        more = f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else ""
         if config.reject_ignored_features:
             raise SpecError(
                 ErrorCode.schema_unsupported_feature,
@@ -295,6 +303,25 @@ def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig
     return syntax, text, warnings
 
 
+def _check_unicode(text: str, field: str) -> None:
+    """Reject lone surrogates: they are not Unicode, and the compiler needs UTF-8.
+
+    A Python host that decoded a client's bytes with ``surrogateescape``
+    hands invalid UTF-8 over as lone surrogates (``\\udcff`` for byte 0xff),
+    and JSON text may spell one as an escape (``"\\ud800"``). Caught here, the
+    request fails with a code at admission on every path, instead of a
+    ``UnicodeEncodeError`` inside the compile.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SpecError(
+            ErrorCode.spec_bad_json,
+            f"{field} holds a lone surrogate U+{ord(text[exc.start]):04X} at character "
+            f"{exc.start} (invalid UTF-8 or an unpaired \\u escape); send valid Unicode",
+        ) from exc
+
+
 def grammar_key(kind: str, text: str, any_whitespace: bool, strict_mode: bool, vocab: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for part in (kind, text, f"ws={int(any_whitespace)}", f"strict={int(strict_mode)}", vocab):
@@ -336,6 +363,7 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
         if spec.strict_mode is not None:
             strict = spec.strict_mode
         kind, text, warnings = _kind_and_text(spec, field, config, strict)
+        _check_unicode(text, field)
     except RecursionError as exc:
         raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
     except (TypeError, ValueError, OverflowError) as exc:

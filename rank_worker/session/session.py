@@ -154,7 +154,10 @@ class RankSession(SessionMasks):
             if self.is_leader or (self.is_follower and self.followers == "fill"):
                 compile_fn = None
                 if self.faults.compile_delay is not None:
-                    compile_fn = self.faults.wrap_compile(XGrammarBackend(tokenizer))
+                    limit = int(config.grammar.cache_limit_mb * 2**20)
+                    compile_fn = self.faults.wrap_compile(
+                        XGrammarBackend(tokenizer, cache_limit_bytes=limit)
+                    )
                 self.manager = GrammarManager(config.grammar, tokenizer, compile_fn=compile_fn)
             if self.is_leader:
                 self.admission = (

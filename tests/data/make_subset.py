@@ -11,6 +11,8 @@ Schemas (``schemas-dev.jsonl`` and the matching label lines):
 - every schema xgrammar refused in conversion (``status != "ok"``): the
   poisoning and ``grammar_invalid`` cases;
 - every test-suite case tagged ``external_ref`` or ``annotation_semantics``;
+- every schema of the adversarial subsets (``WHOLE_SUBSETS``: Handwritten
+  and Synthesized), for the hostile-input tests;
 - slow compiles for timeout and saturation tests: the slowest labelled ones
   whose record stays under 70 KB, and the slowest small schemas (at most
   8 KB of schema);
@@ -47,6 +49,8 @@ MAX_SMALL_SCHEMA_BYTES = 8_000
 MAX_ANY_SCHEMA_BYTES = 30_000
 SLOW_LABEL_MS = 1000.0
 REGEX_PER_BIN = 4
+# Adversarial subsets kept whole (often unsatisfiable or nearly so).
+WHOLE_SUBSETS = frozenset({"Handwritten", "Synthesized"})
 NUM_REGEX_BIG_REPEAT = 3
 
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
@@ -82,6 +86,8 @@ def pick_schemas(recs: list[dict], labels: list[dict]) -> set[str]:
         lab = label_of[rec["id"]]
         tags = set(rec["tags"])
         if lab["status"] != "ok" or tags & {"external_ref", "annotation_semantics"}:
+            picked.add(rec["id"])
+        if rec["subset"] in WHOLE_SUBSETS:
             picked.add(rec["id"])
     slow = [
         rec

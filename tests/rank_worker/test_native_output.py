@@ -24,7 +24,8 @@ import xgrammar as xgr
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend, compile_error_message
-from gramcoord.rank_worker.grammars.schema_lint import inexact_one_ofs, walk_schema
+from gramcoord.rank_worker.grammars.schema_lint import walk_schema
+from gramcoord.rank_worker.grammars.schema_reach import inexact_one_ofs
 from gramcoord.rank_worker.grammars.spec import validate_spec
 from gramcoord.rank_worker.native_log import native_log_path
 

@@ -85,6 +85,25 @@ def _nested(depth: int) -> dict:
             ErrorCode.spec_bad_json,
             id="unicode-digit-ref",
         ),
+        pytest.param({"regex": "a\ud800"}, ErrorCode.spec_bad_json, id="regex-lone-surrogate"),
+        pytest.param(
+            {"json": {"type": "string", "description": "\udcff"}},
+            ErrorCode.spec_bad_json,
+            id="schema-lone-surrogate",
+        ),
+        pytest.param(
+            {"json": '{"const": "\\ud800"}'}, ErrorCode.spec_bad_json, id="escaped-lone-surrogate"
+        ),
+        pytest.param({"choice": ["\udc80"]}, ErrorCode.spec_bad_json, id="choice-lone-surrogate"),
+        pytest.param(b'{"regex": "a\xffb"}', ErrorCode.spec_bad_json, id="invalid-utf8-bytes"),
+        pytest.param(
+            {"json": _nested(2000)}, ErrorCode.spec_too_deep, id="schema-object-2000-levels"
+        ),
+        pytest.param(
+            {"json": {"type": "string", "enum": ["x" * 100] * 20_000}},
+            ErrorCode.spec_too_large,
+            id="schema-object-too-large",
+        ),
     ],
 )
 def test_rejections(spec, code):
@@ -110,6 +129,11 @@ IGNORED = [
         {"type": "object", "properties": {"deep": {"type": "array", "uniqueItems": True}}},
         "$.properties.deep",
         id="nested-path",
+    ),
+    pytest.param(
+        {"type": "object", "properties": {"bar": {}}, "required": ["foo"]},
+        "required 'foo' is not enforced",
+        id="required-not-in-properties",
     ),
 ]
 
