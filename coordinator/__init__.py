@@ -14,7 +14,8 @@ from gramcoord.coordinator.errors import (
     PeerLostError,
 )
 from gramcoord.coordinator.external import FORCED_COMPILE_MODE, ExternalWorld, attach_external
-from gramcoord.coordinator.layout import Coords, ParallelLayout
+from gramcoord.coordinator.layout import Coords, HostLevels, ParallelLayout
+from gramcoord.coordinator.levels import TwoLevel
 from gramcoord.coordinator.pipeline import Chain, DecisionCodec
 from gramcoord.coordinator.poison_share import PoisonShare, pack_records, unpack_records
 from gramcoord.coordinator.report import GatherCodec, ReduceCodec, fingerprint
@@ -35,6 +36,7 @@ __all__ = [
     "DivergenceError",
     "ExternalWorld",
     "GatherCodec",
+    "HostLevels",
     "LayoutError",
     "LocalStatus",
     "Member",
@@ -47,6 +49,7 @@ __all__ = [
     "ReduceCodec",
     "Runtime",
     "StepResult",
+    "TwoLevel",
     "attach_external",
     "fingerprint",
     "pack_records",

@@ -67,6 +67,16 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # ring all_reduce at 64 and 512 pending, so the switch sits past the
     # measured range. Re-measure on real hosts before lowering it.
     agreement_reduce_from: PosInt = 128
+    # "flat": every member of an agreement group in one collective. "host":
+    # two levels, for groups that span hosts (grouped by hostname): members
+    # send their report to their host's leader, the leaders run the
+    # collective, each leader broadcasts the result inside its host. Same
+    # decisions, 3 rounds instead of 1, but hosts x (hosts - 1) messages
+    # across hosts instead of members x (members - 1). On 2 and 4 simulated
+    # hosts (2 shared cores) it beat flat at 16 ranks (1.2-2.4x) and tied or
+    # lost at 4-8 (README, "Scaling"); the win is mostly fewer messages on
+    # oversubscribed cores, so flat stays the default until real hosts agree.
+    agreement_levels: Literal["flat", "host"] = "flat"
     # Where DP leaders share newly failed keys: "step" inside every step (so
     # the stage-0 leaders of all replicas step together), or "host": only
     # when the host calls the session's exchange_poison() at one of its own

@@ -27,8 +27,9 @@ import msgspec
 
 from gramcoord.coordinator.agreement import Agreement
 from gramcoord.coordinator.config import DistributedConfig
-from gramcoord.coordinator.errors import LayoutError
-from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.errors import CoordinatorError, LayoutError
+from gramcoord.coordinator.layout import HostLevels, ParallelLayout
+from gramcoord.coordinator.levels import TwoLevel
 from gramcoord.coordinator.pipeline import Chain
 from gramcoord.coordinator.poison_share import PoisonShare
 from gramcoord.coordinator.runtime import Comm
@@ -88,6 +89,10 @@ class Coordinator:
     poison_in_step:
         Share new failures inside every ``step`` (``distributed.
         poison_exchange: step``); otherwise only in ``exchange_poison``.
+    levels:
+        This rank's agreement group split by host, to agree in two levels
+        (``distributed.agreement_levels: host``; see ``levels.TwoLevel``);
+        None agrees flat.
 
     Raises
     ------
@@ -106,6 +111,7 @@ class Coordinator:
         clock_sync_steps: int = 64,
         clock: Callable[[], int] = wall_clock_ms,
         poison_in_step: bool = True,
+        levels: HostLevels | None = None,
     ) -> None:
         rank = comm.rank
         if not layout.is_stage_leader(rank):
@@ -130,14 +136,21 @@ class Coordinator:
             if (prev is not None or nxt is not None)
             else None
         )
+        # Set when this rank agrees in two levels (inside its host, then across).
+        self.levels: HostLevels | None = None
         if self.decider:
             members = layout.agreement_group(rank)
+            gather = self._gather("agreement") if len(members) > 1 else None
+            reduce = self._reduce("agreement", "band") if len(members) > 1 else None
+            if levels is not None and levels.group == members:
+                self.levels = levels
+                gather, reduce = self._two_level(TwoLevel(comm, levels))
             self.agreement = Agreement(
                 members=members,
                 rank=rank,
                 window=window,
-                gather=self._gather("agreement") if len(members) > 1 else None,
-                reduce=self._reduce("agreement", "band") if len(members) > 1 else None,
+                gather=gather,
+                reduce=reduce,
                 op=agreement_op,
                 compile_mode=compile_mode,
                 clock_sync_steps=clock_sync_steps,
@@ -150,11 +163,14 @@ class Coordinator:
                     reduce_max=self._reduce("poison", "max"),
                 )
         logger.info(
-            "[rank %d] coordinator: %s, %s, agreement group %s, poison group %s, window %d, %s",
+            "[rank %d] coordinator: %s, %s, agreement group %s%s, poison group %s, window %d, %s",
             rank,
             layout.describe(rank),
             "decider" if self.decider else "follower",
             list(layout.agreement_group(rank)),
+            f" in two levels over hosts {[list(b) for b in self.levels.blocks]}"
+            if self.levels
+            else "",
             list(layout.poison_group()) if self.poison else [],
             window,
             compile_mode,
@@ -170,7 +186,23 @@ class Coordinator:
         max_pending: int,
         compile_mode: Literal["async", "sync"] = "async",
     ) -> Coordinator:
-        """Build from the ``distributed`` section and ``grammar.max_pending``."""
+        """Build from the ``distributed`` section and ``grammar.max_pending``.
+
+        Raises
+        ------
+        CoordinatorError
+            If ``agreement_levels`` is ``host`` but ``comm`` holds no host
+            names (a runtime built from a different config).
+        """
+        levels = None
+        if distributed.agreement_levels == "host" and layout.world_size > 1:
+            if not comm.hosts:
+                raise CoordinatorError(
+                    "distributed.agreement_levels is 'host' but the runtime knows no host "
+                    "names; build the runtime from the same distributed config"
+                )
+            mine = [lv for lv in layout.host_levels(comm.hosts) if comm.rank in lv.group]
+            levels = mine[0] if mine else None
         return cls(
             layout,
             comm,
@@ -183,6 +215,7 @@ class Coordinator:
             else distributed.agreement_op,
             clock_sync_steps=distributed.clock_sync_steps,
             poison_in_step=distributed.poison_exchange == "step",
+            levels=levels,
         )
 
     def _gather(self, group: str) -> Callable:
@@ -192,6 +225,15 @@ class Coordinator:
             return comm.all_gather(group, row, operation=op, step=self._current)
 
         return gather
+
+    def _two_level(self, two: TwoLevel) -> tuple[Callable, Callable]:
+        def gather(row):
+            return two.all_gather(row, operation="agreement", step=self._current)
+
+        def reduce(row):
+            return two.all_reduce(row, "band", operation="agreement", step=self._current)
+
+        return gather, reduce
 
     def _reduce(self, group: str, kind: Literal["band", "max"]) -> Callable:
         comm, op = self._comm, group

@@ -11,6 +11,7 @@ are contiguous. Nothing else in gramcoord does rank arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import msgspec
@@ -26,6 +27,21 @@ class Coords(NamedTuple):
     dp: int
     pp: int
     tp: int
+
+
+class HostLevels(NamedTuple):
+    """One agreement group split by host (``distributed.agreement_levels: host``)."""
+
+    # The agreement group, in group order.
+    group: tuple[int, ...]
+    # Its members on each host, in group order; hosts ordered by their first member.
+    blocks: tuple[tuple[int, ...], ...]
+    # The first member of each block: the host's leader.
+    leaders: tuple[int, ...]
+
+    def block_of(self, rank: int) -> tuple[int, ...]:
+        """The members on ``rank``'s host."""
+        return next(b for b in self.blocks if rank in b)
 
 
 def _factorizations(world_size: int) -> list[tuple[int, int, int]]:
@@ -253,6 +269,44 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True):
         if self.pp_sync != "chain" or c.tp != 0 or c.pp == self.pp - 1:
             return None
         return self.leader(c.dp, c.pp + 1)
+
+    def host_levels(self, hosts: Sequence[str]) -> tuple[HostLevels, ...]:
+        """Every agreement group that two levels can help, split by host.
+
+        ``hosts[r]`` names rank ``r``'s host. A group on one host, or with
+        one member per host, is left out: two levels would only add rounds.
+
+        Raises
+        ------
+        LayoutError
+            If ``hosts`` does not name one host per rank.
+        """
+        if len(hosts) != self.world_size:
+            raise LayoutError(
+                f"{len(hosts)} host names for a world of {self.world_size} ranks; "
+                f"every rank needs one"
+            )
+        out = []
+        for group in self.agreement_groups():
+            by_host: dict[str, list[int]] = {}
+            for r in group:
+                by_host.setdefault(hosts[r], []).append(r)
+            blocks = tuple(tuple(b) for b in by_host.values())
+            if 1 < len(blocks) < len(group):
+                out.append(HostLevels(group, blocks, tuple(b[0] for b in blocks)))
+        return tuple(out)
+
+    def level_groups(self, hosts: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The extra control groups of ``host_levels``, named, in a fixed order.
+
+        ``agreement_host``: the members of one agreement group on one host
+        (left out when only one); ``agreement_leaders``: one leader per host.
+        """
+        named: list[tuple[str, tuple[int, ...]]] = []
+        for levels in self.host_levels(hosts):
+            named += [("agreement_host", b) for b in levels.blocks if len(b) > 1]
+            named.append(("agreement_leaders", levels.leaders))
+        return tuple(named)
 
     def control_groups(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """Every control group of the world, named, in a fixed order.

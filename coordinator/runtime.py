@@ -16,6 +16,7 @@ import datetime
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Literal, Protocol
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 # roll call that names the lost rank.
 OP_SHARE = 0.8
 MAX_ROLL_CALL_S = 2.0
+# Bytes per rank in the start-up exchange of host names (Linux allows 64).
+HOSTNAME_BYTES = 256
 _generations = itertools.count()
 
 
@@ -41,6 +44,8 @@ class Comm(Protocol):
     """What the coordinator needs from a runtime (tests provide fakes)."""
 
     rank: int
+    # Every rank's host name; only read with agreement_levels "host".
+    hosts: tuple[str, ...]
 
     def members(self, group: str) -> tuple[int, ...]: ...
 
@@ -50,6 +55,14 @@ class Comm(Protocol):
 
     def all_reduce(
         self, group: str, row: np.ndarray, op: Literal["band", "max"], *, operation: str, step: int
+    ) -> np.ndarray: ...
+
+    def gather(
+        self, group: str, row: np.ndarray, dst: int, *, operation: str, step: int
+    ) -> np.ndarray | None: ...
+
+    def broadcast(
+        self, group: str, buf: np.ndarray, src: int, *, operation: str, step: int
     ) -> np.ndarray: ...
 
     def send(
@@ -80,6 +93,7 @@ class Runtime:
         step_timeout_s: float,
         store: dist.Store | None,
         owns_world: bool,
+        agreement_levels: Literal["flat", "host"] = "flat",
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -93,17 +107,37 @@ class Runtime:
         self._buffers: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
         self._closed = False
-        timeout = datetime.timedelta(seconds=step_timeout_s)
-        # Every rank creates every group, in the layout's fixed order.
-        for name, ranks in layout.control_groups():
-            group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
-            if rank in ranks:
-                self._groups[name] = (group, ranks)
+        # Every rank's host name, with agreement_levels "host" (else empty).
+        self.hosts: tuple[str, ...] = ()
+        self._add_groups(layout.control_groups())
+        if agreement_levels == "host" and layout.world_size > 1:
+            self.hosts = self._host_names()
+            self._add_groups(layout.level_groups(self.hosts))
         logger.info(
             "[rank %d] control groups ready: %s",
             rank,
             ", ".join(f"{n}={list(r)}" for n, (_, r) in self._groups.items()) or "none",
         )
+
+    def _add_groups(self, named: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+        timeout = datetime.timedelta(seconds=self.step_timeout_s)
+        # Every rank creates every group, in the layout's fixed order.
+        for name, ranks in named:
+            group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")
+            if self.rank in ranks:
+                self._groups[name] = (group, ranks)
+
+    def _host_names(self) -> tuple[str, ...]:
+        """Every rank's hostname, in rank order: one exchange over the world group at start."""
+        name = socket.gethostname().encode()
+        if len(name) > HOSTNAME_BYTES:
+            raise CoordinatorError(
+                f"[rank {self.rank}] hostname longer than {HOSTNAME_BYTES} bytes"
+            )
+        row = np.zeros(HOSTNAME_BYTES // 8, dtype=np.int64)
+        row.view(np.uint8)[: len(name)] = np.frombuffer(name, dtype=np.uint8)
+        rows = self.all_gather("world", row, operation="host names", step=-1)
+        return tuple(bytes(r.view(np.uint8)).rstrip(b"\0").decode() for r in rows)
 
     @classmethod
     def start(cls, layout: ParallelLayout, *, rank: int, distributed: DistributedConfig) -> Runtime:
@@ -142,6 +176,7 @@ class Runtime:
             step_timeout_s=distributed.step_timeout_s,
             store=store,
             owns_world=True,
+            agreement_levels=distributed.agreement_levels,
         )
 
     @classmethod
@@ -176,6 +211,7 @@ class Runtime:
             step_timeout_s=distributed.step_timeout_s,
             store=store,
             owns_world=False,
+            agreement_levels=distributed.agreement_levels,
         )
 
     def __enter__(self) -> Runtime:
@@ -213,6 +249,17 @@ class Runtime:
         except RuntimeError as exc:
             self._lost(name, operation, step, peer, exc)
 
+    def _pair(self, group: str, n: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send and receive buffers of ``n`` rows of ``size``, kept per group and size."""
+        bufs = self._buffers.get((group, size))
+        if bufs is None:
+            bufs = (
+                torch.empty(n * size, dtype=torch.int64),
+                torch.empty(n * size, dtype=torch.int64),
+            )
+            self._buffers[(group, size)] = bufs
+        return bufs
+
     def all_gather(self, group: str, row: np.ndarray, *, operation: str, step: int) -> np.ndarray:
         """Every member's ``row``, stacked in group order: int64[members, len(row)].
 
@@ -222,14 +269,7 @@ class Runtime:
         """
         pg, ranks = self._group(group)
         n, size = len(ranks), row.size
-        bufs = self._buffers.get((group, size))
-        if bufs is None:
-            bufs = (
-                torch.empty(n * size, dtype=torch.int64),
-                torch.empty(n * size, dtype=torch.int64),
-            )
-            self._buffers[(group, size)] = bufs
-        send, recv = bufs
+        send, recv = self._pair(group, n, size)
         send.numpy().reshape(n, size)[:] = row
         try:
             work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
@@ -250,6 +290,34 @@ class Runtime:
             self._lost(group, operation, step, None, exc)
         self._wait(work, group, operation, step, None)
         return t.numpy()
+
+    def gather(
+        self, group: str, row: np.ndarray, dst: int, *, operation: str, step: int
+    ) -> np.ndarray | None:
+        """Every member's ``row`` as int64[members, len(row)] on global rank ``dst``; None elsewhere."""
+        pg, ranks = self._group(group)
+        n, size = len(ranks), row.size
+        t = torch.from_numpy(np.array(row, dtype=np.int64))
+        out = self._pair(group, n, size)[1] if self.rank == dst else None
+        try:
+            parts = list(out.split(size)) if out is not None else None
+            work = dist.gather(t, parts, dst=dst, group=pg, async_op=True)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, None, exc)
+        self._wait(work, group, operation, step, None)
+        return out.numpy().reshape(n, size) if out is not None else None
+
+    def broadcast(
+        self, group: str, buf: np.ndarray, src: int, *, operation: str, step: int
+    ) -> np.ndarray:
+        """Global rank ``src``'s ``buf`` on every member, written into ``buf`` (contiguous int64)."""
+        pg, _ = self._group(group)
+        try:
+            work = dist.broadcast(torch.from_numpy(buf), src, group=pg, async_op=True)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, None, exc)
+        self._wait(work, group, operation, step, None)
+        return buf
 
     def drain(self, *, operation: str = "drain sends", step: int = -1) -> None:
         """Wait for every earlier asynchronous send."""
