@@ -19,9 +19,22 @@ port and measure, side by side in one run:
   against ``pp_sync: collective`` (every stage leader in one all_gather);
   both end with the last stage's 1-element ack to stage 0. Reported only.
 
-Each pending request's local state is fixed (half ready, a quarter pending,
-a quarter failed), identical on every rank, so every step decides the same
-non-trivial outcome. Figures are medians on rank 0.
+Each pending request's local state is fixed: half ready, a quarter pending,
+a quarter failed, and on each DP member a few requests that others see
+ready are still pending or failed there, so the intersection and union
+matter. Every step decides the same non-trivial outcome.
+
+How it is measured, the same way for ours and the baseline:
+
+- every rank times every contender (``_interleaved``: alternating rounds of
+  short medians); each figure is the slowest rank's median;
+- the timed call ends when this rank is done with the step: our chain's
+  asynchronous send is drained inside it (``Runtime.drain``), as the
+  baseline's blocking ``send_object_list`` is;
+- before and after timing, each rank checks that ours and the baseline
+  reached the same decision (the same ready and failed sequence numbers),
+  and that the chain and the collective ``pp_sync`` did; a mismatch stops
+  the bench.
 """
 
 from __future__ import annotations
@@ -32,14 +45,9 @@ import functools
 import os
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
-from gramcoord.launch.procs import free_port, run_procs  # noqa: E402
+from gramcoord.launch.bench import BenchRecord, median_ms
+from gramcoord.launch.procs import free_port, run_procs
 
 CHILD_TIMEOUT_S = 600
 
@@ -79,12 +87,35 @@ def _status(pending: int):
     )
 
 
+def _local_status(pending: int, member: int, members: int):
+    """``_status`` with a few requests of this DP member still pending or failed."""
+    from gramcoord.coordinator.status import LocalStatus, PendingState
+
+    base = _status(pending)
+    states, reasons = list(base.states), list(base.reasons)
+    for i in range(pending):
+        if i % (4 * members) == 4 * member:  # ready elsewhere, still pending here
+            states[i] = PendingState.PENDING
+        elif i % (4 * members) == 4 * member + 1:  # ready elsewhere, failed here
+            states[i], reasons[i] = PendingState.FAILED, 30 + member % 30
+    return LocalStatus(seqs=base.seqs, states=tuple(states), reasons=tuple(reasons))
+
+
 def _sglang_step(status, group, chain_group, chain_peer, is_sender, world):
-    """SGLang-style: pickled index sets gathered, then pickled objects down the chain."""
+    """SGLang-style: pickled index sets gathered, then pickled objects down the chain.
+
+    Returns the decided ``(ready, failed)`` index sets; a later stage returns
+    the ones it received.
+    """
     import torch.distributed as dist
 
     from gramcoord.coordinator.status import PendingState
 
+    if chain_group is not None and not is_sender:
+        got = [None]
+        dist.recv_object_list(got, src=chain_peer, group=chain_group)
+        ready, failed = got[0]
+        return set(ready), set(failed)
     ready = {i for i, s in enumerate(status.states) if s == PendingState.READY}
     failed = {i for i, s in enumerate(status.states) if s == PendingState.FAILED}
     if group is not None:
@@ -94,11 +125,7 @@ def _sglang_step(status, group, chain_group, chain_peer, is_sender, world):
         failed = set.union(*(f for _, f in out))
         ready -= failed
     if chain_group is not None:
-        objs = [(sorted(ready), sorted(failed))]
-        if is_sender:
-            dist.send_object_list(objs, dst=chain_peer, group=chain_group)
-        else:
-            dist.recv_object_list(objs, src=chain_peer, group=chain_group)
+        dist.send_object_list([(sorted(ready), sorted(failed))], dst=chain_peer, group=chain_group)
     return ready, failed
 
 
@@ -116,9 +143,31 @@ def _interleaved(fns: dict, repeat: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def _steps(coord, member):
+def _steps(coord, member, runtime):
+    """One coordinator step per call, its asynchronous chain send drained."""
     counter = iter(range(1, 10**9))
-    return lambda: coord.step(next(counter), member)
+
+    def one():
+        result = coord.step(next(counter), member)
+        runtime.drain()
+        return result
+
+    return one
+
+
+def _decided(result) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ready and failed sequence numbers of one of our steps (a ``StepResult``)."""
+    decision = result.decision
+    return tuple(sorted(decision.ready)), tuple(sorted(s for s, _ in decision.failed))
+
+
+def _check_same(rank: int, where: str, decisions: dict) -> None:
+    """Stop the bench unless every contender reached the same decision on this rank."""
+    if len(set(decisions.values())) != 1:
+        sizes = {k: (len(r), len(f)) for k, (r, f) in decisions.items()}
+        raise RuntimeError(
+            f"rank {rank}, {where}: contenders decided differently ((ready, failed) counts {sizes})"
+        )
 
 
 def _layout_rows(rank, world, args, dp, pp):
@@ -145,20 +194,32 @@ def _layout_rows(rank, world, args, dp, pp):
         peer = layout.chain_next(rank) if c.pp == 0 else layout.chain_prev(rank)
         group = base_group if rank in leaders and dp > 1 else None
         for pending in args.pending:
-            status = _status(pending)
+            status = _local_status(pending, c.dp, dp)
             member = _StaticMember(status)
             fns = {}
             for op in ("all_gather", "all_reduce") if pp == 1 else ("all_gather",):
                 coord = Coordinator(
                     layout, runtime, window=pending, agreement_op=op, clock=lambda: 1
                 )
-                fns[op] = _steps(coord, member)
+                fns[op] = _steps(coord, member, runtime)
             fns["base"] = functools.partial(
                 _sglang_step, status, group, my_chain, peer, c.pp == 0, dp
             )
-            times = _interleaved(fns, args.repeat)
-            runtime.drain()
             name = f"agreement_dp{dp}_pp{pp}"
+
+            def check(when, fns=fns, status=status, name=name, pending=pending):
+                seqs = status.seqs
+                got = {op: _decided(fns[op]()) for op in fns if op != "base"}
+                ready, failed = fns["base"]()
+                got["base"] = (
+                    tuple(sorted(seqs[i] for i in ready)),
+                    tuple(sorted(seqs[i] for i in failed)),
+                )
+                _check_same(rank, f"{name}, {pending} pending, {when} timing", got)
+
+            check("before")
+            times = _interleaved(fns, args.repeat)
+            check("after")
             rows.append(
                 dict(name=name, ours=times["all_gather"], base=times["base"], pending=pending)
             )
@@ -179,7 +240,7 @@ def _layout_rows(rank, world, args, dp, pp):
     return rows
 
 
-def _hop_fns(rank, chain, decision, pg, ack, ping):
+def _hop_fns(rank, runtime, chain, decision, pg, ack, ping):
     import torch.distributed as dist
 
     from gramcoord.coordinator.status import Decision
@@ -191,6 +252,8 @@ def _hop_fns(rank, chain, decision, pg, ack, ping):
             step = next(counter)
             chain.send(Decision(step=step, ready=decision.ready, failed=decision.failed))
             dist.recv(ack, src=1, group=pg, tag=99)
+            runtime.drain()
+            return None
 
         def ping_fn():
             dist.send(ping, dst=1, group=pg, tag=98)
@@ -199,8 +262,9 @@ def _hop_fns(rank, chain, decision, pg, ack, ping):
     else:
 
         def hop():
-            chain.receive(next(counter))
+            got, _ = chain.receive(next(counter))
             dist.send(ack, dst=0, group=pg, tag=99)
+            return got
 
         def ping_fn():
             dist.recv(ping, src=0, group=pg, tag=98)
@@ -238,9 +302,19 @@ def _hop_rows(rank, args):
                 ready=tuple(range(half)),
                 failed=tuple((i, 21) for i in range(half, pending)),
             )
-            hop, ping_fn = _hop_fns(rank, chain, decision, pg, ack, ping)
+            hop, ping_fn = _hop_fns(rank, runtime, chain, decision, pg, ack, ping)
+
+            def check(when, hop=hop, decision=decision, pending=pending):
+                got = hop()
+                if rank == 1 and (got.ready, got.failed) != (decision.ready, decision.failed):
+                    raise RuntimeError(
+                        f"pp_hop, {pending} pending, {when} timing: stage 1 received "
+                        "another decision than stage 0 sent"
+                    )
+
+            check("before")
             times = _interleaved({"hop": hop, "ping": ping_fn}, args.repeat)
-            runtime.drain()
+            check("after")
             rows.append(dict(name="pp_hop", ours=times["hop"], base=times["ping"], pending=pending))
     return rows
 
@@ -249,11 +323,12 @@ def _acked(rank, last, step_fn, ack, pg):
     import torch.distributed as dist
 
     def one():
-        step_fn()
+        result = step_fn()
         if rank == last:
             dist.send(ack, dst=0, group=pg, tag=97)
         elif rank == 0:
             dist.recv(ack, src=last, group=pg, tag=97)
+        return result
 
     return one
 
@@ -280,8 +355,11 @@ def _pp_sync_rows(rank, world, args):
         for mode, (layout, runtime) in runtimes.items():
             coord = Coordinator(layout, runtime, window=pending, clock=lambda: 1)
             pg = runtime.process_group("world")
-            fns[mode] = _acked(rank, world - 1, _steps(coord, member), ack, pg)
+            fns[mode] = _acked(rank, world - 1, _steps(coord, member, runtime), ack, pg)
+        where = f"pp_sync_chain_pp{world}, {pending} pending"
+        _check_same(rank, f"{where}, before timing", {m: _decided(f()) for m, f in fns.items()})
         times = _interleaved(fns, args.repeat)
+        _check_same(rank, f"{where}, after timing", {m: _decided(f()) for m, f in fns.items()})
         for _, runtime in runtimes.values():
             runtime.drain()
         rows.append(
@@ -297,8 +375,8 @@ def _pp_sync_rows(rank, world, args):
     return rows
 
 
-def _child(rank: int, world: int, args) -> list[dict] | None:
-    """One rank of the gloo world (``run_procs`` target); rank 0 returns the rows."""
+def _child(rank: int, world: int, args) -> list[dict]:
+    """One rank of the gloo world (``run_procs`` target); every rank returns its rows."""
     import torch.distributed as dist
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
@@ -314,20 +392,36 @@ def _child(rank: int, world: int, args) -> list[dict] | None:
         rows += _pp_sync_rows(rank, world, args)
     dist.barrier()
     dist.destroy_process_group()
-    return rows if rank == 0 else None
+    return rows
 
 
 # -- parent side ----------------------------------------------------------------
 
 
 def _launch(world: int, args) -> list[dict]:
-    # ``run_bench`` loads this file under a private module name that spawned
-    # children cannot import, so they import it as ``benchmarks.agreement``.
+    # Spawned children import this module by its package name.
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     results = run_procs(
-        "benchmarks.agreement:_child", world, args=(args,), timeout=CHILD_TIMEOUT_S, env=env
+        "gramcoord.benchmarks.agreement:_child",
+        world,
+        args=(args,),
+        timeout=CHILD_TIMEOUT_S,
+        env=env,
     )
-    return results[0].value
+    return _slowest([r.value for r in results])
+
+
+def _slowest(per_rank: list[list[dict]]) -> list[dict]:
+    """Merge every rank's rows: each timing is the slowest rank's median."""
+    merged = []
+    for rows in zip(*per_rank, strict=True):
+        assert len({(r["name"], r["pending"]) for r in rows}) == 1, "ranks measured different rows"
+        row = dict(rows[0])
+        for key in ("ours", "base", "gather"):
+            if key in row:
+                row[key] = max(r[key] for r in rows)
+        merged.append(row)
+    return merged
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -343,7 +437,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _record(row: dict, world: int) -> BenchRecord:
     name, pending = row["name"], row["pending"]
-    where = f"{world} ranks, {pending} pending (window = pending)"
+    where = f"{world} ranks, {pending} pending (window = pending); slowest rank's median"
     if name.startswith("agreement_reduce"):
         return BenchRecord.compare(
             name,

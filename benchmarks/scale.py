@@ -24,6 +24,21 @@ contender; records carry the slowest rank's median. Bytes on the wire are
 what one rank sends per step: (ranks - 1) x row for the exchange, the ring
 estimate 2 (ranks - 1) / ranks x row for the reduce, (ranks - 1) x (8 +
 padded pickle) for the object path (its size all_gather, then the bytes).
+
+``--hosts H`` (root) spreads each world over H simulated hosts
+(``gramcoord.launch.hosts``: network namespaces, veth pairs, a bridge;
+``--placement block`` or ``round``), gloo over the hosts' addresses, and adds
+two contenders: the coordinator's own two-level agreement
+(``distributed.agreement_levels: host``, ``coordinator.levels.TwoLevel``) on
+each op, ``host_gather`` and ``host_reduce``, each recorded against the flat
+path of the same op (ratio = flat / two-level). Before timing, every rank
+checks that they return the flat collectives' arrays bit for bit and decide
+exactly what the flat paths decide. ``--hosts H --virtual`` groups the ranks
+into H hostnames but keeps them on loopback: the same grouping without veth,
+the reference that separates the network's share from the CPU's. Worlds with
+one rank per host have no two-level run (the coordinator stays flat there).
+Busiest-rank bytes for two levels are a leader's: its share of the leaders'
+round plus its broadcast to its host.
 """
 
 from __future__ import annotations
@@ -37,17 +52,18 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.agreement import _interleaved, _sglang_step, _status  # noqa: E402
-from gramcoord.launch.bench import BenchRecord  # noqa: E402
-from gramcoord.launch.procs import free_port, run_procs  # noqa: E402
+from gramcoord.benchmarks._scale_hosts import placement, sigterm_unwinds
+from gramcoord.benchmarks._scale_plot import write_svg
+from gramcoord.benchmarks.agreement import _interleaved, _sglang_step, _status
+from gramcoord.launch.bench import BenchRecord
+from gramcoord.launch.procs import free_port, run_procs
 
 CHILD_TIMEOUT_S = 300
 PATHS = ("object", "gather", "reduce")
-COLORS = {"object": "#d62728", "gather": "#1f77b4", "reduce": "#2ca02c"}
+# Two-level contenders (``coordinator.levels.TwoLevel``), measured when ranks
+# are grouped into hosts; each is compared with the flat path of the same op.
+LEVELS = {"host_gather": "gather", "host_reduce": "reduce"}
+WIN_MARGIN = 1.1
 
 
 # -- child side -----------------------------------------------------------------
@@ -67,11 +83,61 @@ def _local_status(pending: int, rank: int, world: int):
     return LocalStatus(seqs=base.seqs, states=tuple(states), reasons=tuple(reasons))
 
 
-def _rows(rank, world, args, runtime, obj_group):
+def _flat_and_levels(rank, pending, runtime, levels):
+    """Agreement objects for every contender: flat gather/reduce, and two-level when grouped."""
+    from gramcoord.coordinator.agreement import Agreement
+    from gramcoord.coordinator.levels import TwoLevel
+
+    def flat_gather(row):
+        return runtime.all_gather("agreement", row, operation="g", step=0)
+
+    def flat_reduce(row):
+        return runtime.all_reduce("agreement", row, "band", operation="r", step=0)
+
+    ways = {
+        "gather": ("all_gather", flat_gather, None),
+        "reduce": ("all_reduce", flat_gather, flat_reduce),
+    }
+    if levels is not None:  # the coordinator's own two-level calls (agreement_levels: host)
+        two = TwoLevel(runtime, levels)
+
+        def two_gather(row):
+            return two.all_gather(row, operation="g2", step=0)
+
+        def two_reduce(row):
+            return two.all_reduce(row, "band", operation="r2", step=0)
+
+        ways["host_gather"] = ("all_gather", two_gather, None)
+        ways["host_reduce"] = ("all_reduce", two_gather, two_reduce)
+    members = runtime.members("agreement")
+    agree = {
+        name: Agreement(members=members, rank=rank, window=pending, op=op, gather=g, reduce=r)
+        for name, (op, g, r) in ways.items()
+    }
+    return agree, ways
+
+
+def _check_levels(rank, status, pending, members, ways) -> None:
+    """The two-level collectives return the flat ones' arrays, bit for bit, on one real row."""
+    import numpy as np
+
+    from gramcoord.coordinator.report import CODECS, window_of
+
+    for op, flat, two in (
+        ("all_gather", ways["gather"][1], ways["host_gather"][1]),
+        ("all_reduce", ways["reduce"][2], ways["host_reduce"][2]),
+    ):
+        codec = CODECS[op](pending)
+        row = np.zeros(codec.size, dtype=np.int64)
+        codec.encode(7, window_of(status, pending, codec.max_reason), 1, members.index(rank), row)
+        want, got = np.array(flat(row)), np.array(two(row))
+        assert np.array_equal(want, got), f"rank {rank}: two-level {op} differs from the flat one"
+
+
+def _rows(rank, world, args, runtime, obj_group, levels):
     import torch
     import torch.distributed as dist
 
-    from gramcoord.coordinator.agreement import Agreement
     from gramcoord.coordinator.report import CODECS
     from gramcoord.coordinator.status import PendingState
 
@@ -80,31 +146,24 @@ def _rows(rank, world, args, runtime, obj_group):
     rows = []
     for pending in args.pending:
         status = _local_status(pending, rank, world)
-        agree = {}
-        for op in ("all_gather", "all_reduce"):
-            agree[op] = Agreement(
-                members=members,
-                rank=rank,
-                window=pending,
-                op=op,
-                gather=lambda row: runtime.all_gather("agreement", row, operation="g", step=0),
-                reduce=lambda row: runtime.all_reduce(
-                    "agreement", row, "band", operation="r", step=0
-                ),
-            )
-        counters = {op: iter(range(1, 10**9)) for op in agree}
+        agree, ways = _flat_and_levels(rank, pending, runtime, levels)
+        counters = {name: iter(range(1, 10**9)) for name in agree}
 
-        def ours(op, agree=agree, counters=counters, status=status):
-            return agree[op].decide(next(counters[op]), status, clock_ms=1)
+        def ours(name, agree=agree, counters=counters, status=status):
+            return agree[name].decide(next(counters[name]), status, clock_ms=1)
 
-        # The same decision on every path.
-        d_gather, d_reduce = ours("all_gather"), ours("all_reduce")
+        # The same decision on every path; two-level ones equal to the flat ones exactly.
+        decided = {name: ours(name) for name in agree}
+        d_gather, d_reduce = decided["gather"], decided["reduce"]
         ready, failed = _sglang_step(status, obj_group, None, None, False, world)
         seqs = status.seqs
         same = (d_gather.ready, d_gather.failed) == (d_reduce.ready, d_reduce.failed)
         same = same and set(d_gather.ready) == {seqs[i] for i in ready}
         same = same and {s for s, _ in d_gather.failed} == {seqs[i] for i in failed}
+        same = same and all(decided[h] == decided[flat] for h, flat in LEVELS.items() if h in agree)
         assert same, f"rank {rank}: paths disagree at {world} ranks, {pending} pending"
+        if levels is not None:
+            _check_levels(rank, status, pending, members, ways)
 
         # Floors: the bare collective on the same bytes.
         g_size, r_size = CODECS["all_gather"](pending).size, CODECS["all_reduce"](pending).size
@@ -123,25 +182,33 @@ def _rows(rank, world, args, runtime, obj_group):
         P = functools.partial
         fns = {
             "object": P(_sglang_step, status, obj_group, None, None, False, world),
-            "gather": P(ours, "all_gather"),
-            "reduce": P(ours, "all_reduce"),
+            **{name: P(ours, name) for name in agree},
             "object_floor": P(dist.all_gather_object, [None] * world, blob, group=obj_group),
             "gather_floor": P(dist.all_to_all_single, a2a_recv, a2a_send, group=pg),
             "reduce_floor": P(dist.all_reduce, red, op=dist.ReduceOp.BAND, group=pg),
         }
         times = _interleaved(fns, args.repeat)
-        # bytes on the wire, sent by one rank per step (see the module docstring)
-        padded = max(sizes)
-        wire = {
-            "object": (world - 1) * (8 + padded),
-            "gather": (world - 1) * g_size * 8,
-            "reduce": round(2 * (world - 1) / world * r_size * 8),
-        }
-        rows.append(dict(pending=pending, times=times, wire=wire))
+        rows.append(
+            dict(pending=pending, times=times, wire=_wire(world, levels, sizes, g_size, r_size))
+        )
     return rows
 
 
-def _child(rank: int, world: int, args) -> list[dict]:
+def _wire(world, levels, sizes, g_size, r_size) -> dict[str, int]:
+    """Bytes one rank sends per step (the busiest rank for two-level; module docstring)."""
+    wire = {
+        "object": (world - 1) * (8 + max(sizes)),
+        "gather": (world - 1) * g_size * 8,
+        "reduce": round(2 * (world - 1) / world * r_size * 8),
+    }
+    if levels is not None:  # a leader of the largest host: round 2, then its broadcast
+        h, k = len(levels.blocks), max(len(b) for b in levels.blocks)
+        wire["host_gather"] = ((h - 1) * k + (k - 1) * world) * g_size * 8
+        wire["host_reduce"] = round((2 * (h - 1) / h + (k - 1)) * r_size * 8)
+    return wire
+
+
+def _child(rank: int, world: int, args, grouped: bool) -> list[dict]:
     """One rank (``run_procs`` target); every rank returns its own medians."""
     import torch.distributed as dist
 
@@ -152,12 +219,17 @@ def _child(rank: int, world: int, args) -> list[dict]:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
-    cfg = DistributedConfig(step_timeout_s=120)
+    # With hosts, the runtime learns every rank's hostname and builds the
+    # level groups, exactly as `agreement_levels: host` does in a run.
+    cfg = DistributedConfig(step_timeout_s=120, agreement_levels="host" if grouped else "flat")
     with Runtime.attach(layout, distributed=cfg) as runtime:
         obj_group = dist.new_group(
             list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=120)
         )
-        rows = _rows(rank, world, args, runtime, obj_group)
+        split = layout.host_levels(runtime.hosts) if runtime.hosts else ()
+        # None where two levels cannot help (one rank per host): flat only.
+        levels = split[0] if split else None
+        rows = _rows(rank, world, args, runtime, obj_group, levels)
         dist.barrier()
         dist.destroy_process_group(obj_group)
     dist.destroy_process_group()
@@ -169,11 +241,36 @@ def _child(rank: int, world: int, args) -> list[dict]:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gramcoord bench scale")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="default: 2 4 8 16")
     ap.add_argument("--pending", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--repeat", type=int, default=15, help="~samples per contender")
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="spread each world over this many simulated hosts (root; 1: all on loopback) "
+        "and also time the two-level agreement",
+    )
+    ap.add_argument("--placement", choices=("block", "round"), default="block")
+    ap.add_argument(
+        "--virtual",
+        action="store_true",
+        help="with --hosts: group ranks into virtual hosts but keep them on loopback "
+        "(the reference for the simulated hosts)",
+    )
     ap.add_argument("--plot", type=Path, default=None, help="default: OUT/scale.svg")
     args = ap.parse_args(argv)
+    if not 1 <= args.hosts <= 64:
+        ap.error(f"--hosts must be 1..64, not {args.hosts}")
+    if args.virtual and args.hosts == 1:
+        ap.error("--virtual needs --hosts H with H > 1")
+    if args.hosts > 1 and os.geteuid() != 0:
+        ap.error("--hosts needs root: each rank takes its host's hostname (a UTS namespace)")
+    if args.ranks is None:
+        args.ranks = [r for r in (2, 4, 8, 16) if r >= args.hosts]
+    small = [r for r in args.ranks if r < args.hosts]
+    if small or not args.ranks:
+        ap.error(f"every world needs at least --hosts {args.hosts} ranks (got {args.ranks})")
     if args.plot is None:  # `gramcoord bench` keeps --out to itself; read it back
         out = argparse.ArgumentParser(add_help=False)
         out.add_argument("--out", default="bench-out")
@@ -181,69 +278,69 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _svg(series: dict, ranks: list[int], path: Path) -> None:
-    """Median ms against ranks, log-log, one polyline per (path, pending)."""
-    import math
-
-    w, h, m = 640, 420, 60
-    vals = [v for pts in series.values() for v in pts.values()]
-    lo, hi = math.log10(min(vals)) - 0.1, math.log10(max(vals)) + 0.1
-    xs = {r: m + (w - 2 * m) * i / max(1, len(ranks) - 1) for i, r in enumerate(ranks)}
-
-    def y(v):
-        return h - m - (h - 2 * m) * (math.log10(v) - lo) / (hi - lo)
-
-    el = [f'<rect width="{w}" height="{h}" fill="white"/>']
-    el.append(
-        f'<text x="{w / 2}" y="24" text-anchor="middle">agreement step, slowest rank '
-        "median (ms, log) vs ranks</text>"
+def _where(opts) -> tuple[str, str]:
+    """The record-name suffix and the note's description of where the ranks ran."""
+    cores = os.cpu_count() or 1
+    if opts.hosts == 1:
+        return "", f"gloo ranks on loopback, {cores} cores"
+    kind = "virtual hosts on loopback" if opts.virtual else "simulated hosts (netns, veth, bridge)"
+    suffix = (
+        f"_{'v' if opts.virtual else 'h'}{opts.hosts}{'rr' if opts.placement == 'round' else ''}"
     )
-    for r, x in xs.items():
-        el.append(f'<text x="{x:.0f}" y="{h - m + 20}" text-anchor="middle">{r}</text>')
-    for e in range(math.ceil(lo), math.floor(hi) + 1):
-        el.append(
-            f'<line x1="{m}" x2="{w - m}" y1="{y(10**e):.1f}" y2="{y(10**e):.1f}" stroke="#ddd"/>'
-        )
-        el.append(f'<text x="{m - 6}" y="{y(10**e):.1f}" text-anchor="end">{10**e:g}</text>')
-    for k, ((name, pending), pts) in enumerate(series.items()):
-        dash = "" if pending == max(p for _, p in series) else ' stroke-dasharray="6 4"'
-        line = " ".join(f"{xs[r]:.1f},{y(v):.1f}" for r, v in sorted(pts.items()))
-        el.append(
-            f'<polyline points="{line}" fill="none" stroke="{COLORS[name]}" '
-            f'stroke-width="2"{dash}/>'
-        )
-        el.append(
-            f'<text x="{w - m + 4}" y="{m + 14 * k}" fill="{COLORS[name]}" '
-            f'font-size="11">{name} p{pending}</text>'
-        )
-    body = "\n".join(el)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 40}" height="{h}" '
-        f'font-family="sans-serif" font-size="12">\n{body}\n</svg>\n'
+    return suffix, (
+        f"gloo ranks over {opts.hosts} {kind}, {opts.placement} placement, {cores} shared cores"
+    )
+
+
+def _spawn(opts, world: int, hosts) -> list:
+    """One world's ranks, on loopback or on ``hosts``; returns their results."""
+    child = "gramcoord.benchmarks.scale:_child"
+    env = {"MASTER_PORT": str(free_port()), "MASTER_ADDR": "127.0.0.1"}
+    if opts.hosts == 1:
+        return run_procs(child, world, args=(opts, False), timeout=CHILD_TIMEOUT_S, env=env)
+    host_of = placement(world, opts.hosts, opts.placement)
+    if hosts is None:  # virtual hosts: own hostnames, still loopback
+        seats = tuple((None, f"vhost{chr(ord('A') + h)}") for h in host_of)
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    else:
+        seats = tuple((hosts.namespaces[h], hosts.names[h]) for h in host_of)
+        env.update(MASTER_ADDR=hosts.addresses[host_of[0]], GLOO_SOCKET_IFNAME="eth0")
+    return run_procs(
+        "gramcoord.benchmarks._scale_hosts:on_host",
+        world,
+        args=(seats, child, opts, True),
+        timeout=CHILD_TIMEOUT_S,
+        env=env,
     )
 
 
 def run(args: list[str]) -> list[BenchRecord]:
     """Measure every rank count; see the module docstring."""
     opts = _parse(args)
+    if opts.hosts > 1 and not opts.virtual:
+        from gramcoord.launch.hosts import SimulatedHosts
+
+        with sigterm_unwinds(), SimulatedHosts(opts.hosts) as hosts:
+            return _measure(opts, hosts)
+    return _measure(opts, None)
+
+
+def _measure(opts, hosts) -> list[BenchRecord]:
     records, series, t0 = [], {}, time.monotonic()
+    suffix, where = _where(opts)
     for world in opts.ranks:
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        results = run_procs(
-            "benchmarks.scale:_child", world, args=(opts,), timeout=CHILD_TIMEOUT_S, env=env
-        )
+        results = _spawn(opts, world, hosts)
         for i, pending in enumerate(opts.pending):
             per_rank = [r.value[i] for r in results]
             t = {k: max(rows["times"][k] for rows in per_rank) for k in per_rank[0]["times"]}
             wire = per_rank[0]["wire"]
-            tag = f"r{world}_p{pending}"
+            tag = f"r{world}_p{pending}{suffix}"
             note = (
-                f"{world} gloo ranks on loopback, {os.cpu_count()} cores"
+                f"{world} {where}"
                 f"{' (oversubscribed)' if world > (os.cpu_count() or 1) else ''}, "
                 f"{pending} pending; slowest rank's median; wire bytes/rank/step: "
             )
-            for p in PATHS:
+            for p in (*PATHS, *(h for h in LEVELS if h in t)):
                 series.setdefault((p, pending), {})[world] = t[p]
             base = f"sglang_object_{tag}"
             for p in ("gather", "reduce"):
@@ -267,7 +364,26 @@ def run(args: list[str]) -> list[BenchRecord]:
                         note=note + f"{wire[p]}; ratio = floor / path (1 = no overhead)",
                     )
                 )
-    _svg(series, opts.ranks, opts.plot)
+            for h, flat in LEVELS.items():
+                if h in t:
+                    records.append(
+                        BenchRecord.compare(
+                            f"scale_{h}_{tag}",
+                            f"scale_{flat}_{tag}",
+                            t[h],
+                            t[flat],
+                            note=note + f"{wire[h]} busiest leader, {wire[flat]} flat; "
+                            "ratio = flat / two-level (> 1: two-level wins)",
+                        )
+                    )
+    title = "agreement step, slowest rank's median (ms, log) vs ranks"
+    write_svg(series, opts.ranks, opts.plot, title, where)
+    _summary(opts, series)
+    print(f"wrote {opts.plot}; benchmark wall time {time.monotonic() - t0:.0f} s")
+    return records
+
+
+def _summary(opts, series) -> None:
     for pending in opts.pending:
         g, r = series[("gather", pending)], series[("reduce", pending)]
         over = [w for w in opts.ranks if r[w] < g[w]]
@@ -278,8 +394,17 @@ def run(args: list[str]) -> list[BenchRecord]:
             f"p{pending}: reduce faster than gather at ranks {over}; "
             f"crossover (faster from here on): {cross}"
         )
-    print(f"wrote {opts.plot}; benchmark wall time {time.monotonic() - t0:.0f} s")
-    return records
+        if ("host_gather", pending) in series:
+            hg, hr = series[("host_gather", pending)], series[("host_reduce", pending)]
+            sizes = sorted(hg)  # worlds of one rank per host have no two-level run
+            ratio = {w: min(g[w], r[w]) / min(hg[w], hr[w]) for w in sizes}
+            # A 10% margin: on a shared machine, a smaller lead is noise.
+            wins = [w for w in sizes if ratio[w] > WIN_MARGIN]
+            shown = ", ".join(f"{w}: {ratio[w]:.2f}" for w in sizes)
+            print(
+                f"p{pending}: best flat / best two-level by ranks {{{shown}}}; "
+                f"two-level faster by > {WIN_MARGIN - 1:.0%} at ranks {wins}"
+            )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from gramcoord.launch.bench import BenchRecord  # noqa: E402
 from gramcoord.launch.procs import run_ranks  # noqa: E402
@@ -123,7 +121,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     got = {}
     for mode in ("read", "fill"):
         results = run_ranks(
-            "benchmarks.tp_followers:_child",
+            "gramcoord.benchmarks.tp_followers:_child",
             2,
             args=(mode, opts.requests, opts.max_tokens),
             timeout=600,

@@ -1,4 +1,4 @@
-"""Bitmask transport: one-way latency and bandwidth of five ways to ship a mask.
+"""Bitmask transport: one-way latency and bandwidth of our ring and its baselines.
 
 For each shape (``[64, 4748]`` and ``[256, 4748]`` int32 by default; 4748 =
 ceil(151936 / 32), the Qwen2.5 lm_head) it measures, with a sender (this
@@ -6,9 +6,16 @@ process, or gloo rank 0) and a receiver in another process:
 
 - ``shm_ring``: ``BitmaskChannel.publish`` (copy into the ring slot, one
   ``BitmaskReady`` over ipc) until ``BitmaskReceiver.receive`` returns the
-  read-only view of the slot (no copy on the reader's side);
-- ``pickled_zmq``: ``pickle.dumps`` of the array over a zmq ipc socket, then
-  ``pickle.loads`` (the anchor: what pickling broadcast queues do);
+  read-only view of the slot (no copy on the reader's side). Default
+  ``TransportConfig`` (4 slots, 1 ms reader spin); it also carries the
+  request ids and draft counts, which no baseline below does;
+- ``vllm_shm_broadcast``: the target baseline, vLLM's own path from engine
+  to TP workers: ``BroadcastQueue.enqueue`` of the bare array (pickle
+  protocol 5, the buffer out of band into a 16 MiB shared-memory chunk of
+  10, flags polled by the reader, a zmq ping) until ``dequeue`` returns the
+  array as a view of the chunk (no copy). See ``benchmarks/vllm_shm_queue.py``;
+- ``pickled_zmq``: ``pickle.dumps`` of the array, in band, over a zmq ipc
+  socket, then ``pickle.loads`` (what a plain pickling queue does);
 - ``raw_zmq_ipc`` / ``raw_zmq_tcp``: the array's bytes as one zmq frame
   (``copy=False``), viewed with ``numpy.frombuffer``; tcp on 127.0.0.1 is
   the cross-node fallback path;
@@ -19,13 +26,16 @@ process, or gloo rank 0) and a receiver in another process:
 One-way latency is ``t_received - t_sent`` from ``time.perf_counter_ns``,
 which is CLOCK_MONOTONIC on Linux and so comparable across processes of one
 host. Before each timed send the sender waits, untimed, until the receiver
-is idle again (the ring drained, a zmq ack, a gloo barrier), so no sample
-includes queueing. Every figure is the median of ``--iters`` samples taken
-in this run; GB/s is bytes / median one-way time.
+is idle again (the ring drained, the queue's read flags set, a zmq ack, a
+gloo barrier), so no sample includes queueing. Each method takes its
+samples in ``--rounds`` rounds, the methods in turn within a round, so that
+load changes on a shared machine hit all of them alike; every figure is the
+median of the ``--iters`` samples pooled over the rounds, all taken in this
+run. GB/s is bytes / median one-way time.
 
-Run it with ``gramcoord bench transport`` or
-``python -c "from launch.bench import run_bench; ..."``; ``--iters N`` and
-``--rows 64,256`` adjust it.
+Run it with ``gramcoord bench transport`` (about 30 s on 2 idle cores);
+``--iters N`` (default 200), ``--rounds N`` (3), ``--warmup N`` (20 per
+round) and ``--rows 64,256`` adjust it.
 """
 
 from __future__ import annotations
@@ -42,23 +52,27 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
-from pathlib import Path
 
 import msgspec
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # when run as a script (the receiver side)
-    sys.path.insert(0, str(ROOT))
-
-from gramcoord.launch.bench import BenchRecord, median_ms  # noqa: E402
-from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig  # noqa: E402
+from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue, QueueHandle
+from gramcoord.launch.bench import BenchRecord
+from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig
 
 WIDTH = 4748  # ceil(151936 / 32)
 VOCAB = WIDTH * 32
 CHILD_TIMEOUT_S = 300
-METHODS = ("shm_ring", "pickled_zmq", "raw_zmq_ipc", "raw_zmq_tcp", "gloo_broadcast")
+METHODS = (
+    "shm_ring",
+    "vllm_shm_broadcast",
+    "raw_zmq_ipc",
+    "raw_zmq_tcp",
+    "pickled_zmq",
+    "gloo_broadcast",
+)
+# What each baseline row asks of the ring (None: reported only).
+TARGETS = {"vllm_shm_broadcast": 2.0, "pickled_zmq": 5.0}
 
 
 def _mask(rows: int) -> np.ndarray:
@@ -83,6 +97,19 @@ def _receive_ring(handle_b64: str, count: int) -> list[int]:
             stamps.append(time.perf_counter_ns())
             assert view.shape[1] == WIDTH
             rx.release(step)
+    return stamps
+
+
+def _receive_vllm(handle_b64: str, count: int) -> list[int]:
+    handle = msgspec.msgpack.decode(base64.b64decode(handle_b64), type=QueueHandle)
+    stamps = []
+    with BroadcastQueue.attach(handle, 0) as queue:
+        queue.wait_until_ready(CHILD_TIMEOUT_S)
+        for _ in range(count):
+            array = queue.dequeue(timeout=CHILD_TIMEOUT_S)
+            stamps.append(time.perf_counter_ns())
+            assert array.shape[1] == WIDTH
+            del array  # a view of the chunk: let the mapping go at close
     return stamps
 
 
@@ -133,6 +160,8 @@ def _child_main(argv: list[str]) -> None:
     role, *rest = argv
     if role == "ring":
         stamps = _receive_ring(rest[0], int(rest[1]))
+    elif role == "vllm":
+        stamps = _receive_vllm(rest[0], int(rest[1]))
     elif role in ("pickled", "raw"):
         stamps = _receive_zmq(rest[0], int(rest[1]), pickled=role == "pickled")
     else:
@@ -157,14 +186,14 @@ def _stamps(proc: subprocess.Popen[bytes]) -> list[int]:
     return msgspec.json.decode(out.splitlines()[-1], type=list[int])
 
 
-def _one_way_ms(sent: list[int], received: list[int], warmup: int) -> float:
-    pairs = list(zip(sent, received))[warmup:]
-    return statistics.median((r - s) / 1e6 for s, r in pairs)
+def _one_way_ms(sent: list[int], received: list[int], warmup: int) -> list[float]:
+    """One-way samples in ms, the first ``warmup`` left out."""
+    return [(r - s) / 1e6 for s, r in list(zip(sent, received))[warmup:]]
 
 
-def _shm_ring(array: np.ndarray, iters: int, warmup: int) -> float:
+def _shm_ring(array: np.ndarray, iters: int, warmup: int) -> list[float]:
     count = iters + warmup
-    config = TransportConfig(kind="shm", num_slots=2, timeout_s=60.0)
+    config = TransportConfig(kind="shm", timeout_s=60.0)
     with BitmaskChannel(
         readers=["bench"],
         vocab_size=VOCAB,
@@ -185,7 +214,21 @@ def _shm_ring(array: np.ndarray, iters: int, warmup: int) -> float:
         return _one_way_ms(sent, _stamps(proc), warmup)
 
 
-def _zmq(array: np.ndarray, iters: int, warmup: int, *, pickled: bool, tcp: bool) -> float:
+def _vllm(array: np.ndarray, iters: int, warmup: int) -> list[float]:
+    count = iters + warmup
+    with BroadcastQueue.create(run_id=f"bench{secrets.token_hex(3)}", num_readers=1) as queue:
+        handle = base64.b64encode(msgspec.msgpack.encode(queue.handle)).decode()
+        proc = _spawn("vllm", handle, count)
+        queue.wait_until_ready(CHILD_TIMEOUT_S)
+        sent = []
+        for _ in range(count):
+            queue.wait_read(CHILD_TIMEOUT_S)  # untimed: the reader is idle again
+            sent.append(time.perf_counter_ns())
+            queue.enqueue(array)
+        return _one_way_ms(sent, _stamps(proc), warmup)
+
+
+def _zmq(array: np.ndarray, iters: int, warmup: int, *, pickled: bool, tcp: bool) -> list[float]:
     import zmq
 
     count = iters + warmup
@@ -214,7 +257,7 @@ def _zmq(array: np.ndarray, iters: int, warmup: int, *, pickled: bool, tcp: bool
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _gloo(array: np.ndarray, iters: int, warmup: int) -> float:
+def _gloo(array: np.ndarray, iters: int, warmup: int) -> list[float]:
     count = iters + warmup
     with socket.socket() as probe:  # gloo needs the port up front
         probe.bind(("127.0.0.1", 0))
@@ -224,9 +267,23 @@ def _gloo(array: np.ndarray, iters: int, warmup: int) -> float:
     return _one_way_ms(sent, received, warmup)
 
 
-def _measure(method: str, array: np.ndarray, iters: int, warmup: int) -> float:
+def _memcpy(array: np.ndarray, dst: np.ndarray, iters: int, warmup: int) -> list[float]:
+    """``numpy.copyto`` in this process: the physical reference, in ms per copy."""
+    for _ in range(warmup):
+        np.copyto(dst, array)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        np.copyto(dst, array)
+        out.append((time.perf_counter_ns() - t0) / 1e6)
+    return out
+
+
+def _measure(method: str, array: np.ndarray, iters: int, warmup: int) -> list[float]:
     if method == "shm_ring":
         return _shm_ring(array, iters, warmup)
+    if method == "vllm_shm_broadcast":
+        return _vllm(array, iters, warmup)
     if method == "gloo_broadcast":
         return _gloo(array, iters, warmup)
     return _zmq(array, iters, warmup, pickled=method == "pickled_zmq", tcp=method == "raw_zmq_tcp")
@@ -236,32 +293,46 @@ def run(args: list[str]) -> list[BenchRecord]:
     """Measure every method for every shape; return the comparison records."""
     parser = argparse.ArgumentParser(prog="gramcoord bench transport")
     parser.add_argument("--iters", type=int, default=200, help="timed samples per method")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed samples first")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed samples per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per shape")
     parser.add_argument("--rows", default="64,256", help="comma-separated row counts")
     opts = parser.parse_args(args)
+    if min(opts.iters, opts.rounds) < 1 or opts.warmup < 0:
+        parser.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    per_round = -(-opts.iters // opts.rounds)
     records = []
     for rows in (int(r) for r in opts.rows.split(",")):
         array = _mask(rows)
         shape = f"[{rows}x{WIDTH}]"
         dst = np.empty_like(array)
-        memcpy = median_ms(partial(np.copyto, dst, array), repeat=opts.iters, warmup=opts.warmup)
-        ms = {m: _measure(m, array, opts.iters, opts.warmup) for m in METHODS}
+        # Every method takes its samples in each of several rounds, in turn,
+        # so a load change on the shared machine hits all of them alike.
+        samples: dict[str, list[float]] = {m: [] for m in ("memcpy", *METHODS)}
+        for _ in range(opts.rounds):
+            samples["memcpy"] += _memcpy(array, dst, per_round, opts.warmup)
+            for m in METHODS:
+                samples[m] += _measure(m, array, per_round, opts.warmup)
+        ms = {m: statistics.median(v) for m, v in samples.items()}
+        memcpy = ms.pop("memcpy")
         gb = {m: _gbps(array.nbytes, t) for m, t in {**ms, "memcpy": memcpy}.items()}
-        records.append(
-            BenchRecord.compare(
-                f"shm_ring{shape}",
-                "pickled_zmq",
-                ms["shm_ring"],
-                ms["pickled_zmq"],
-                target=5.0,
-                note=f"one-way; shm {gb['shm_ring']:.2f} GB/s, pickled {gb['pickled_zmq']:.2f} GB/s",
+        ours = ms["shm_ring"]
+        for method in METHODS[1:]:
+            name = "shm_ring" if method == "vllm_shm_broadcast" else f"shm_ring_vs_{method}"
+            records.append(
+                BenchRecord.compare(
+                    f"{name}{shape}",
+                    method,
+                    ours,
+                    ms[method],
+                    target=TARGETS.get(method),
+                    note=f"one-way; shm {gb['shm_ring']:.2f} GB/s, {method} {gb[method]:.2f} GB/s",
+                )
             )
-        )
         records.append(
             BenchRecord.compare(
                 f"shm_ring_bandwidth{shape}",
                 "memcpy",
-                ms["shm_ring"],
+                ours,
                 memcpy,
                 target=0.5,
                 note=(
@@ -271,16 +342,6 @@ def run(args: list[str]) -> list[BenchRecord]:
                 ),
             )
         )
-        for method in METHODS[1:]:
-            records.append(
-                BenchRecord.compare(
-                    f"{method}{shape}",
-                    "memcpy",
-                    ms[method],
-                    memcpy,
-                    note=f"one-way; {gb[method]:.2f} GB/s (ratio = fraction of memcpy bandwidth)",
-                )
-            )
     return records
 
 

@@ -1,8 +1,12 @@
-"""The benchmark contract shared by every ``benchmarks/NAME.py``.
+"""The benchmark contract shared by every module of ``gramcoord.benchmarks``.
 
-A benchmark script defines ``run(args: list[str]) -> list[BenchRecord]``.
-``gramcoord bench NAME --out DIR`` loads ``benchmarks/NAME.py``, runs it,
-prints the records as a table and writes ``DIR/bench.json``.
+A benchmark is a module of the ``gramcoord.benchmarks`` package
+(``benchmarks/NAME.py`` in a checkout; installed with the package) that
+defines ``run(args: list[str]) -> list[BenchRecord]``. Modules whose name
+starts with ``_``, or that define no ``run``, are helpers.
+``gramcoord bench NAME --out DIR`` imports the module, runs it, prints the
+records as a table and writes ``DIR/bench.json``; ``gramcoord bench all``
+(``launch/bench_all.py``) runs every one.
 
 ``ratio`` is the baseline's median time divided by ours, so higher is
 better. ``target`` is the ratio the design asks for (``None`` when the row
@@ -12,17 +16,25 @@ run as its baseline; never compare single timings.
 
 from __future__ import annotations
 
+import ast
 import gc
+import importlib
 import importlib.util
+import os
+import pkgutil
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from gramcoord.launch.workload import DATA_DIR_ENV, dev_data_dir
+
+PACKAGE = "gramcoord.benchmarks"
+# The dev-data subset (tests/data in a checkout) installed with the package.
+DATA_PACKAGE = "gramcoord.dev_data"
 
 
 class BenchRecord(msgspec.Struct, kw_only=True):
@@ -42,6 +54,25 @@ class BenchRecord(msgspec.Struct, kw_only=True):
     met: bool | None = None
     # Free-form context: sizes, rank counts, absolute targets.
     note: str = ""
+    # The benchmark that wrote the row (``gramcoord bench`` fills it in).
+    bench: str = ""
+    # Set on a row that stands for a benchmark that failed (crashed, timed
+    # out, wrote nothing): why. Its figures are 0 and ``met`` is False.
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, bench: str, error: str) -> BenchRecord:
+        """The row ``gramcoord bench all`` writes for a benchmark that produced no records."""
+        return cls(
+            name=bench,
+            baseline="-",
+            median_ms=0.0,
+            baseline_median_ms=0.0,
+            ratio=0.0,
+            met=False,
+            bench=bench,
+            error=error,
+        )
 
     @classmethod
     def compare(
@@ -95,7 +126,9 @@ def median_ms(fn: Callable[[], object], *, repeat: int = 21, warmup: int = 2) ->
 def format_table(records: list[BenchRecord]) -> str:
     header = ("name", "baseline", "ours ms", "base ms", "ratio", "target", "met", "note")
     rows = [
-        (
+        (f"{r.bench}: ERROR", "-", "-", "-", "-", "-", "NO", r.error)
+        if r.error is not None
+        else (
             r.name,
             r.baseline,
             f"{r.median_ms:.4f}",
@@ -129,32 +162,91 @@ def write_records(records: list[BenchRecord], out_dir: Path) -> Path:
     return path
 
 
+def installed_data_dir() -> Path | None:
+    """The dev-data subset installed with the package, where no other is found.
+
+    ``dev_data_dir()`` finds the data of a checkout (``$GRAMCOORD_DATA_DIR``,
+    ``../shared/data``, ``tests/data``). An installed package has no
+    checkout, so it ships the ``tests/data`` subset as ``gramcoord.dev_data``;
+    this is that folder, or None when the checkout's data is there (or
+    ``$GRAMCOORD_DATA_DIR`` names a folder), so a checkout keeps its order.
+    """
+    if os.environ.get(DATA_DIR_ENV) or (dev_data_dir() / "schemas-dev.jsonl").is_file():
+        return None
+    return package_dir(DATA_PACKAGE, "schemas-dev.jsonl")
+
+
+def package_dir(package: str, holding: str) -> Path | None:
+    """The folder of ``package`` that holds the file ``holding``, or None.
+
+    These data packages are namespace packages, whose ``__path__`` may also
+    hold an editable install's path hook, which ``importlib.resources`` does
+    not accept; so the folders are searched directly.
+    """
+    try:
+        pkg = importlib.import_module(package)
+    except ModuleNotFoundError:
+        return None
+    for entry in pkg.__path__:
+        if (Path(entry) / holding).is_file():
+            return Path(entry)
+    return None
+
+
 def add_data_arg(parser) -> None:
     """The ``--data`` option every benchmark that reads dev data takes."""
     parser.add_argument(
         "--data",
         type=Path,
-        default=None,
+        default=installed_data_dir(),
         help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
-        "else tests/data)",
+        "tests/data; installed without a checkout: the subset installed with the package)",
     )
 
 
-def available() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+def _defines_run(origin: str | None) -> bool:
+    """Whether a module's source defines a top-level ``run``, read without importing it."""
+    if origin is None or not origin.endswith(".py"):
+        return False
+    tree = ast.parse(Path(origin).read_text(encoding="utf-8"), filename=origin)
+    return any(
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "run"
+        for node in tree.body
+    )
 
 
-def run_bench(name: str, args: list[str], out_dir: Path) -> list[BenchRecord]:
-    """Load ``benchmarks/NAME.py``, run it, print and write its records."""
-    path = BENCH_DIR / f"{name}.py"
-    if not path.is_file():
-        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(available())}")
-    spec = importlib.util.spec_from_file_location(f"gramcoord_bench_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    records = module.run(args)
+def available(package: str = PACKAGE) -> list[str]:
+    """Names of the benchmarks in ``package``: public modules that define ``run``.
+
+    Found by reading the sources, so listing them imports no benchmark (and
+    none of torch or xgrammar).
+    """
+    pkg = importlib.import_module(package)
+    names = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("_") or info.ispkg:
+            continue
+        spec = importlib.util.find_spec(f"{package}.{info.name}")
+        if _defines_run(spec.origin if spec else None):
+            names.append(info.name)
+    return sorted(set(names))
+
+
+def load(name: str, package: str = PACKAGE) -> ModuleType:
+    """Import benchmark ``name``; an unknown name exits with the list of known ones."""
+    names = available(package)
+    if name not in names:
+        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(names)}, all")
+    return importlib.import_module(f"{package}.{name}")
+
+
+def run_bench(
+    name: str, args: list[str], out_dir: Path, *, package: str = PACKAGE
+) -> list[BenchRecord]:
+    """Run benchmark ``name`` with ``args``, print its records and write ``bench.json``."""
+    records = load(name, package).run(args)
+    for r in records:
+        r.bench = r.bench or name
     print(format_table(records))
     written = write_records(records, out_dir)
     print(f"wrote {written}")

@@ -66,10 +66,18 @@ def _parser() -> argparse.ArgumentParser:
         help="override a config value before printing it",
     )
 
-    bench = sub.add_parser("bench", help="run benchmarks/NAME.py and write bench.json")
-    bench.add_argument("name")
+    # Anything after NAME that is not --out (e.g. --repeat 5, or --quick for
+    # `all`) is passed on to the benchmark, --help included, so
+    # `gramcoord bench NAME --help` shows that benchmark's own options.
+    bench = sub.add_parser(
+        "bench",
+        help="run benchmark NAME (benchmarks/NAME.py), or all of them, and write bench.json",
+        add_help=False,
+    )
+    bench.add_argument("name", nargs="?", help="a benchmark, or 'all'")
     bench.add_argument("--out", default="bench-out", help="directory for bench.json")
-    # Anything else (e.g. --repeat 5) is passed on to the benchmark.
+    bench.add_argument("-h", "--help", action="store_true", help="this help, or NAME's")
+    bench.set_defaults(bench_help=bench.format_help)
     return p
 
 
@@ -120,9 +128,19 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return main_check(config, workload, args.out)
     if args.command == "bench":
+        rest = [a for a in extra if a != "--"] + (["--help"] if args.help else [])
+        if args.name is None:
+            from gramcoord.launch.bench import available
+
+            print(args.bench_help() + f"\nbenchmarks: {', '.join(available())}, all")
+            return 0 if args.help else 2
+        if args.name == "all":
+            from gramcoord.launch.bench_all import bench_all
+
+            return bench_all(rest, Path(args.out))
         from gramcoord.launch.bench import run_bench
 
-        run_bench(args.name, [a for a in extra if a != "--"], Path(args.out))
+        run_bench(args.name, rest, Path(args.out))
         return 0
     raise AssertionError(args.command)
 

@@ -156,6 +156,7 @@ def merge(
             "mask_build": percentiles(_samples(reports, "mask_build")),
             "transport": percentiles(_samples(reports, "transport")),
             "apply": percentiles(_samples(reports, "apply")),
+            "forward": percentiles(_samples(reports, "forward")),
             "compile": percentiles(compile_ms),
         },
         cache={

@@ -6,6 +6,7 @@ exit status 2 (and the field's path) before the launcher is ever called.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -140,7 +141,29 @@ def test_shipped_configs_name_their_launcher():
 
 # -- packaging ------------------------------------------------------------------
 
-_SOURCES = ("pyproject.toml", "README.md", "coordinator", "rank_worker", "sync", "launch")
+# Installed subpackage of `gramcoord` -> the folder it is built from.
+_PACKAGES = {
+    "coordinator": "coordinator",
+    "rank_worker": "rank_worker",
+    "sync": "sync",
+    "launch": "launch",
+    "benchmarks": "benchmarks",
+    "configs": "configs",
+    "dev_data": "tests/data",
+}
+# Data files that must travel with the package (`gramcoord bench`, the
+# default config run), licences included.
+_DATA = {
+    "configs": ("local.yaml", "workload.jsonl", "LICENSES/Apache-2.0.txt"),
+    "dev_data": (
+        "schemas-dev.jsonl",
+        "schemas-dev.xgrammar-labels.jsonl",
+        "README.md",
+        "LICENSES/Apache-2.0.txt",
+        "LICENSES/MIT-JSON-Schema-Test-Suite.txt",
+    ),
+}
+_TOP_LEVEL = str(tuple(_PACKAGES))
 
 
 def _copy_sources(dst: Path) -> Path:
@@ -148,7 +171,7 @@ def _copy_sources(dst: Path) -> Path:
     import shutil
 
     dst.mkdir()
-    for name in _SOURCES:
+    for name in ("pyproject.toml", "README.md", *_PACKAGES.values()):
         src = ROOT / name
         if src.is_dir():
             shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -174,42 +197,95 @@ def _pip_install_target(src: Path, target: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.timeout(300)
-def test_pip_install_adds_exactly_one_top_level_name(tmp_path):
-    src = _copy_sources(tmp_path / "src")
-    target = tmp_path / "target"
-    proc = _pip_install_target(src, target)
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A ``pip install --target`` of a copy of the sources (one per module)."""
+    tmp = tmp_path_factory.mktemp("pip")
+    target = tmp / "target"
+    proc = _pip_install_target(_copy_sources(tmp / "src"), target)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    top = sorted(p.name for p in target.iterdir())
-    extra = [n for n in top if n not in ("gramcoord", "bin") and not n.endswith(".dist-info")]
-    assert extra == [], top
-    assert "gramcoord" in top and sum(n.endswith(".dist-info") for n in top) == 1, top
-    # `gramcoord` is a namespace package holding exactly the four subpackages,
-    # each with every module of its source folder.
-    pkg = target / "gramcoord"
-    assert not (pkg / "__init__.py").exists()
-    assert sorted(p.name for p in pkg.iterdir()) == sorted(_SOURCES[2:])
-    for sub in _SOURCES[2:]:
-        have = {p.relative_to(pkg / sub) for p in (pkg / sub).rglob("*.py")}
-        want = {p.relative_to(ROOT / sub) for p in (ROOT / sub).rglob("*.py")}
-        assert have == want, (sub, want ^ have)
-    # The installed copy imports from the target, as `gramcoord.*` only.
-    code = (
-        "import importlib.util as u, gramcoord.launch.cli as c;"
-        "print(c.__file__);"
-        "print([n for n in ('coordinator','rank_worker','sync','launch') if u.find_spec(n)])"
-    )
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(target)},
+    return target
+
+
+def _run_installed(target: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    """Run this Python with only the target install on PYTHONPATH, away from the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "GRAMCOORD_DATA_DIR"}
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env={**env, "PYTHONPATH": str(target)},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.timeout(300)
+def test_pip_install_adds_exactly_one_top_level_name(installed, tmp_path):
+    target = installed
+    top = sorted(p.name for p in target.iterdir())
+    extra = [n for n in top if n not in ("gramcoord", "bin") and not n.endswith(".dist-info")]
+    assert extra == [], top
+    assert "gramcoord" in top and sum(n.endswith(".dist-info") for n in top) == 1, top
+    # `gramcoord` is a namespace package holding exactly the subpackages,
+    # each with every module of its source folder, and the data they read.
+    pkg = target / "gramcoord"
+    assert not (pkg / "__init__.py").exists()
+    assert sorted(p.name for p in pkg.iterdir()) == sorted(_PACKAGES)
+    for sub, folder in _PACKAGES.items():
+        # The data folders' subfolders are licences, or test fixtures that stay out.
+        find = Path.glob if sub in _DATA else Path.rglob
+        have = {p.relative_to(pkg / sub) for p in find(pkg / sub, "*.py")}
+        want = {p.relative_to(ROOT / folder) for p in find(ROOT / folder, "*.py")}
+        assert have == want, (sub, want ^ have)
+    for sub, names in _DATA.items():
+        for name in names:
+            shipped, source = pkg / sub / name, ROOT / _PACKAGES[sub] / name
+            assert shipped.read_bytes() == source.read_bytes(), shipped
+    # The installed copy imports from the target, as `gramcoord.*` only.
+    code = (
+        "import importlib.util as u, gramcoord.launch.cli as c, gramcoord.benchmarks.agreement;"
+        "print(c.__file__);"
+        f"print([n for n in {_TOP_LEVEL} if u.find_spec(n)])"
+    )
+    run = _run_installed(target, tmp_path, "-c", code)
     assert run.returncode == 0, run.stderr
     path, names = run.stdout.splitlines()
     assert Path(path).is_relative_to(target) and names == "[]", run.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_runs_from_the_installed_package(installed, tmp_path):
+    """No checkout on the path: the benchmarks, their data and the default config
+    come from the install."""
+    code = (
+        "from gramcoord.launch.bench import available, installed_data_dir, load;"
+        "from gramcoord.launch.bench_all import default_config;"
+        "print(load('transport').__file__);"
+        "print(installed_data_dir());"
+        "print(default_config()[0]);"
+        "print(load('tp_followers').WORKLOAD);"
+        "print(','.join(available()))"
+    )
+    run = _run_installed(installed, tmp_path, "-c", code)
+    assert run.returncode == 0, run.stderr
+    module, data, config, workload, names = run.stdout.splitlines()
+    pkg = installed / "gramcoord"
+    assert Path(module) == pkg / "benchmarks" / "transport.py"
+    assert Path(data) == pkg / "dev_data"
+    assert Path(config) == pkg / "configs" / "local.yaml"
+    # A benchmark that finds the workload beside itself finds the installed one.
+    assert Path(workload).resolve() == (pkg / "configs" / "workload.jsonl").resolve()
+    assert {"agreement", "compile", "fill", "scale", "tp_followers", "transport"} <= set(
+        names.split(",")
+    )
+    out = tmp_path / "out"
+    argv = ["-m", "gramcoord.launch.cli", "bench", "transport", "--out", str(out)]
+    tiny = ["--iters", "3", "--warmup", "1", "--rounds", "1", "--rows", "8"]
+    run = _run_installed(installed, tmp_path, *argv, "--", *tiny)
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = json.loads((out / "bench.json").read_text())
+    assert records and {r["bench"] for r in records} == {"transport"}
 
 
 def test_editable_install_exposes_only_gramcoord(tmp_path):
@@ -217,7 +293,7 @@ def test_editable_install_exposes_only_gramcoord(tmp_path):
     code = (
         "import importlib.util as u, gramcoord.launch.cli as c, gramcoord.rank_worker.engine.loop;"
         "print(c.__file__);"
-        "print([n for n in ('coordinator','rank_worker','sync','launch') if u.find_spec(n)])"
+        f"print([n for n in {_TOP_LEVEL} if u.find_spec(n)])"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run(

@@ -1,0 +1,286 @@
+"""``gramcoord bench all --out DIR``: every benchmark, one report.
+
+Each benchmark runs as ``gramcoord bench NAME`` in a child process of this
+one, in a session of its own, so a crash or a hang costs one row, not the
+run: the child gets a deadline, and on the deadline (or when it exits) its
+whole process group (gloo ranks, transport receivers) is terminated, then
+killed. The shared-memory reaper of ``gramcoord.sync.janitor`` runs in a
+session of its own, so it outlives the group and removes what a killed
+child left in ``/dev/shm``.
+
+Before the benchmarks, the default config (``configs/local.yaml``, as
+installed with the package) runs its workload once (``gramcoord run``), and
+its ``summary.json`` gives the per-step latency breakdown.
+
+Written to ``DIR``:
+
+- ``NAME/bench.json`` and ``NAME/log.txt`` per benchmark, ``run/`` for the
+  default config's run (``run/log.txt`` its console);
+- ``bench.json``: every record (``BenchRecord``, ``bench`` naming its
+  benchmark), one error row (``error`` set) per benchmark that failed;
+- ``bench_runs.json``: per benchmark its arguments, exit, wall time;
+- ``bench.md``: the tables (``launch/bench_report.py``);
+- ``bench.png``: ratio against target per record, and the breakdown
+  (``launch/bench_plot.py``).
+
+The arguments of each benchmark (``PLANS``) keep the whole run under ten
+minutes on a shared 2-core machine; ``--quick`` takes smaller ones for a
+smoke run, ``--args NAME=ARGS`` replaces them, ``--only`` picks benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from gramcoord.launch.bench import (
+    BenchRecord,
+    available,
+    format_table,
+    package_dir,
+    write_records,
+)
+from gramcoord.launch.bench_report import BenchRun, StepBreakdown, breakdown_of, markdown
+
+# Seconds a terminated process group gets before it is killed.
+GRACE_S = 5.0
+# The whole run, config run included; a benchmark's deadline never passes it.
+BUDGET_S = 590.0
+RUN_TIMEOUT_S = 180.0
+# For a benchmark with no plan (one added since): its own defaults.
+DEFAULT_TIMEOUT_S = 240.0
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    # Arguments of the full run: the benchmark's defaults, trimmed only where
+    # they do not fit the ten minutes, and then only in rows without a target.
+    args: tuple[str, ...] = ()
+    # Arguments of ``--quick``: a smoke run, figures too noisy to quote.
+    quick: tuple[str, ...] = ()
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+# The full plans took 166 s on the shared 2-core machine when quiet and 499 s
+# at load 8-15 (per benchmark: README, "Performance"); each timeout is about
+# twice a benchmark's loaded wall time.
+# Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas),
+# jump_forward's tiny-LM rows (32 -> 16 instances), scale's 16-rank world.
+PLANS: dict[str, Plan] = {
+    "agreement": Plan(quick=("--worlds", "2", "--pending", "64", "--repeat", "11"), timeout_s=180),
+    "compile": Plan(args=("--schemas", "10"), quick=("--repeat", "5", "--schemas", "8")),
+    "fill": Plan(quick=("--batches", "64", "--repeat", "11", "--max-schemas", "40"), timeout_s=120),
+    "jump_forward": Plan(
+        args=("--hf-schemas", "16"),
+        quick=("--models", "synthetic", "--schemas", "30"),
+        timeout_s=240,
+    ),
+    "scale": Plan(
+        args=("--ranks", "2", "4", "8", "--repeat", "10"),
+        quick=("--ranks", "2", "4", "--pending", "64", "--repeat", "5"),
+        timeout_s=240,
+    ),
+    "step": Plan(quick=("--limit", "8", "--rounds", "1"), timeout_s=240),
+    "tp_followers": Plan(quick=("--requests", "8", "--max-tokens", "32"), timeout_s=120),
+    "transport": Plan(quick=("--iters", "50", "--warmup", "5", "--rounds", "1"), timeout_s=240),
+}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="gramcoord bench all --out DIR",
+        description="Run every benchmark, each in a child process with a deadline, and write "
+        "DIR/bench.json, bench.md, bench.png and each benchmark's own DIR/NAME/.",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller arguments: a smoke run")
+    p.add_argument("--only", help="comma-separated benchmarks to run (default: all of them)")
+    p.add_argument(
+        "--args",
+        dest="bench_args",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="arguments for one benchmark, replacing its plan, e.g. 'transport=--iters 50'",
+    )
+    p.add_argument("--timeout-s", type=float, help="deadline of each benchmark (default: its plan)")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline of the whole run")
+    p.add_argument("--no-run", action="store_true", help="skip the default config's run")
+    return p.parse_args(argv)
+
+
+def _selection(opts: argparse.Namespace) -> dict[str, list[str]]:
+    """Benchmark name -> its arguments, in run order; bad names exit with the known ones."""
+    names = available()
+    if "all" in names:
+        raise SystemExit("a benchmark module may not be called 'all'")
+    chosen = [n.strip() for n in opts.only.split(",") if n.strip()] if opts.only else names
+    given: dict[str, list[str]] = {}
+    for item in opts.bench_args:
+        name, sep, args = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--args {item!r}: expected NAME=ARGS")
+        given[name.strip()] = shlex.split(args)
+    unknown = sorted({*chosen, *given} - set(names))
+    if unknown:
+        raise SystemExit(
+            f"unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(names)}"
+        )
+    out = {}
+    for name in chosen:
+        plan = PLANS.get(name, Plan())
+        out[name] = given.get(name, list(plan.quick if opts.quick else plan.args))
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Terminate, then kill, the child's process group; reap the child.
+
+    Runs after a normal exit too: a benchmark that returned may still have
+    left a rank or a receiver behind in its group.
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _group_alive(proc.pid):
+            break
+        os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or the group never empties
+            if not _group_alive(proc.pid):
+                break
+            time.sleep(0.05)
+    proc.wait()
+
+
+def run_child(cmd: list[str], log: Path, timeout_s: float) -> tuple[int | None, float]:
+    """Run ``cmd`` with its output in ``log``; (exit status or None on the deadline, wall s)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc: int | None = proc.wait(timeout=max(timeout_s, 0.1))
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:  # a Ctrl-C here must not leave the group running
+            _end_group(proc)
+    return rc, time.monotonic() - t0
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
+
+
+def _bench_one(
+    name: str, args: list[str], out: Path, timeout_s: float
+) -> tuple[BenchRun, list[BenchRecord]]:
+    cmd = [sys.executable, "-m", "gramcoord.launch.cli", "bench", name, "--out", str(out)]
+    cmd += ["--", *args]
+    (out / "bench.json").unlink(missing_ok=True)  # never report a previous run's rows
+    rc, wall = run_child(cmd, out / "log.txt", timeout_s)
+    run = BenchRun(name=name, args=args, wall_s=round(wall, 1), exit_code=rc)
+    records: list[BenchRecord] = []
+    if rc is None:
+        run.error = f"timed out after {timeout_s:.0f} s"
+    elif rc != 0:
+        run.error = f"exit {rc}: {_last_line(out / 'log.txt')}"
+    else:
+        try:
+            records = msgspec.json.decode((out / "bench.json").read_bytes(), type=list[BenchRecord])
+        except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+            run.error = f"exit 0 but no readable bench.json: {exc}"
+    for r in records:
+        r.bench = r.bench or name
+    run.num_records = len(records)
+    return run, records
+
+
+def default_config() -> tuple[Path, Path]:
+    """The default config and its workload, as installed (``configs/`` in a checkout)."""
+    root = package_dir("gramcoord.configs", "local.yaml")
+    if root is None:
+        raise SystemExit("gramcoord.configs (configs/local.yaml) is not installed; use --no-run")
+    return root / "local.yaml", root / "workload.jsonl"
+
+
+def _config_run(out: Path, timeout_s: float) -> StepBreakdown:
+    config, workload = default_config()
+    cmd = [sys.executable, "-m", "gramcoord.launch.cli", "run", str(config)]
+    cmd += ["--workload", str(workload), "--out", str(out)]
+    (out / "summary.json").unlink(missing_ok=True)
+    rc, wall = run_child(cmd, out / "log.txt", timeout_s)
+    label = "configs/local.yaml"
+    if rc != 0:
+        why = (
+            f"timed out after {timeout_s:.0f} s"
+            if rc is None
+            else f"exit {rc}: {_last_line(out / 'log.txt')}"
+        )
+        return StepBreakdown(config=label, wall_s=round(wall, 1), error=why)
+    return breakdown_of(out / "summary.json", label, round(wall, 1))
+
+
+def bench_all(argv: list[str], out_dir: Path) -> int:
+    """Run the selected benchmarks and write the report; 1 if any of them failed."""
+    opts = _parse(argv)
+    selection = _selection(opts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + opts.budget_s
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    breakdown = None
+    if not opts.no_run:
+        print("bench all: default config run ...", flush=True)
+        breakdown = _config_run(out_dir / "run", min(RUN_TIMEOUT_S, left()))
+    runs: list[BenchRun] = []
+    records: list[BenchRecord] = []
+    for name, args in selection.items():
+        timeout = opts.timeout_s or PLANS.get(name, Plan()).timeout_s
+        if left() <= 1:
+            run = BenchRun(name=name, args=args, error="not run: the run's budget is spent")
+        else:
+            print(f"bench all: {name} {shlex.join(args)}", flush=True)
+            run, got = _bench_one(name, args, out_dir / name, min(timeout, left()))
+            records += got
+        runs.append(run)
+        print(f"  {run.error or f'records: {run.num_records}'} in {run.wall_s:.1f} s", flush=True)
+    records += [BenchRecord.failed(run.name, run.error) for run in runs if run.error]
+    write_records(records, out_dir)
+    (out_dir / "bench_runs.json").write_bytes(
+        msgspec.json.format(msgspec.json.encode(runs), indent=2)
+    )
+    (out_dir / "bench.md").write_text(markdown(records, runs, breakdown))
+    from gramcoord.launch.bench_plot import plot
+
+    plot(records, breakdown, out_dir / "bench.png")
+    print(format_table(records))
+    total = sum(r.wall_s for r in runs) + (breakdown.wall_s if breakdown else 0.0)
+    print(f"wrote {out_dir}/bench.json, bench.md, bench.png; {total:.0f} s in children")
+    failed = any(r.error for r in runs) or (breakdown is not None and breakdown.error)
+    return 1 if failed else 0

@@ -1,0 +1,197 @@
+"""The report of ``gramcoord bench all``: per-benchmark runs, the step breakdown, ``bench.md``.
+
+``bench.md`` holds Markdown tables ready to paste into the README: the
+records that have a target, against their baselines (a missed target reads
+**NO**, a failed benchmark **ERROR**); each benchmark's arguments and wall
+time; the default config's per-step latency breakdown; and every record,
+report-only ones too.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import msgspec
+
+from gramcoord.launch.bench import BenchRecord
+from gramcoord.rank_worker.engine.timings import Percentiles
+
+# (label, key in summary.json's latency_ms): the parts of one step.
+PHASES = (
+    ("agreement", "agreement"),
+    ("build", "mask_build"),
+    ("transport", "transport"),
+    ("apply", "apply"),
+    ("model", "forward"),
+)
+
+
+class BenchRun(msgspec.Struct, kw_only=True):
+    """One benchmark's child process."""
+
+    name: str
+    args: list[str]
+    wall_s: float = 0.0
+    # None: killed on its deadline (or never started).
+    exit_code: int | None = None
+    num_records: int = 0
+    error: str | None = None
+
+
+class Phase(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    # Percentiles over every (step, rank) sample the run recorded.
+    p50_ms: float
+    p99_ms: float
+    count: int
+
+
+class _SummaryTimes(msgspec.Struct):
+    """The part of ``launch.summary.Summary`` read here; other fields are ignored."""
+
+    latency_ms: dict[str, Percentiles]
+    steps: int
+    wall_s: float
+
+
+class StepBreakdown(msgspec.Struct, kw_only=True):
+    """Per-step latency of one run of a config, from its ``summary.json``."""
+
+    config: str
+    # The ``gramcoord run`` child, launcher start-up included.
+    wall_s: float
+    phases: list[Phase] = msgspec.field(default_factory=list)
+    # Phases that summary.json does not record.
+    missing: list[str] = msgspec.field(default_factory=list)
+    steps: int = 0
+    # The run itself, from rank start (summary.json's wall_s).
+    run_wall_s: float = 0.0
+    # Why there is no breakdown (the run failed or wrote no summary).
+    error: str | None = None
+
+
+def breakdown_of(summary_path: Path, config: str, wall_s: float) -> StepBreakdown:
+    """The breakdown in a run's ``summary.json``; ``error`` set if it cannot be read."""
+    try:
+        summary = msgspec.json.decode(summary_path.read_bytes(), type=_SummaryTimes)
+    except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return StepBreakdown(config=config, wall_s=wall_s, error=f"no summary.json: {exc}")
+    out = StepBreakdown(config=config, wall_s=wall_s, steps=summary.steps)
+    out.run_wall_s = summary.wall_s
+    for label, key in PHASES:
+        p = summary.latency_ms.get(key)
+        if p is None or p.count == 0:
+            out.missing.append(label)
+        else:
+            out.phases.append(Phase(name=label, p50_ms=p.p50, p99_ms=p.p99, count=p.count))
+    return out
+
+
+def _ms(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    return f"{x:.2f}" if x >= 1 else f"{x:.4f}"
+
+
+def target_text(r: BenchRecord) -> str:
+    parts = []
+    if r.target is not None:
+        parts.append(f">= {r.target:g}x")
+    if r.target_ms is not None:
+        parts.append(f"<= {r.target_ms:g} ms")
+    return ", ".join(parts) or "-"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def records_table(records: list[BenchRecord]) -> str:
+    lines = [
+        "| benchmark | record | baseline | ours ms | baseline ms | ratio | target | met | note |",
+        "|---|---|---|---:|---:|---:|---|---|---|",
+    ]
+    for r in records:
+        if r.error is not None:
+            cells = [r.bench, "-", "-", "-", "-", "-", "-", "**ERROR**", r.error]
+        else:
+            met = "-" if r.met is None else ("yes" if r.met else "**NO**")
+            cells = [
+                r.bench,
+                r.name,
+                r.baseline,
+                _ms(r.median_ms),
+                _ms(r.baseline_median_ms),
+                f"{r.ratio:.2f}x",
+                target_text(r),
+                met,
+                r.note,
+            ]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[BenchRun]) -> str:
+    lines = ["| benchmark | arguments | wall s | result |", "|---|---|---:|---|"]
+    for run in runs:
+        result = run.error or _records(run.num_records)
+        args = f"`{shlex.join(run.args)}`" if run.args else "(its defaults)"
+        lines.append(f"| {run.name} | {_cell(args)} | {run.wall_s:.1f} | {_cell(result)} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(b: StepBreakdown) -> str:
+    if b.error:
+        return f"The run of `{b.config}` failed ({_cell(b.error)}): no breakdown."
+    lines = ["| part of a step | p50 ms | p99 ms | samples |", "|---|---:|---:|---:|"]
+    lines += [f"| {p.name} | {_ms(p.p50_ms)} | {_ms(p.p99_ms)} | {p.count} |" for p in b.phases]
+    lines += [f"| {name} | - | - | not in summary.json |" for name in b.missing]
+    return "\n".join(lines)
+
+
+def _records(n: int) -> str:
+    return f"{n} record" if n == 1 else f"{n} records"
+
+
+def markdown(
+    records: list[BenchRecord], runs: list[BenchRun], breakdown: StepBreakdown | None
+) -> str:
+    """``bench.md``: each table under a line that says what it holds.
+
+    The first table (records with a target, and failed benchmarks) is the
+    one the README embeds; every record, report-only ones too, is in the
+    last.
+    """
+    targeted = [r for r in records if r.met is not None]
+    met = [r for r in targeted if r.met]
+    missed = [r for r in targeted if not r.met and r.error is None]
+    failed = [r for r in targeted if r.error is not None]
+    parts = [
+        f"**Targets**: {len(met)} met, {len(missed)} missed (**NO**), {len(failed)} "
+        "benchmarks failed (**ERROR**). `ratio` = baseline ms / ours ms, higher is better; "
+        "each pair is measured side by side in one run.",
+        "",
+        records_table(targeted),
+        "",
+        f"**Runs**: {sum(r.wall_s for r in runs):.0f} s of benchmarks.",
+        "",
+        runs_table(runs),
+    ]
+    if breakdown is not None:
+        parts += [
+            "",
+            f"**Per-step latency of the default config** (`{breakdown.config}`, "
+            f"{breakdown.steps} loop steps in {breakdown.run_wall_s:.1f} s from rank start, "
+            f"{breakdown.wall_s:.0f} s with start-up): percentiles over every step and rank "
+            "that did the part.",
+            "",
+            breakdown_table(breakdown),
+        ]
+    parts += [
+        "",
+        f"**All records** ({len(records)}; those without a target only report).",
+        "",
+        records_table(records),
+    ]
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,344 @@
+"""``gramcoord bench``: discovery from the package, the data an install finds, the report.
+
+The cheap side: no benchmark runs here (``test_bench_all.py`` runs one).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gramcoord.launch import bench as bench_mod
+from gramcoord.launch.bench import (
+    BenchRecord,
+    available,
+    format_table,
+    installed_data_dir,
+    load,
+    run_bench,
+)
+from gramcoord.launch.bench_all import PLANS, _parse, _selection, default_config
+from gramcoord.launch.bench_plot import plot, score
+from gramcoord.launch.bench_report import BenchRun, StepBreakdown, breakdown_of, markdown
+from gramcoord.launch.cli import main
+from gramcoord.rank_worker.engine.timings import percentiles
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = {"agreement", "compile", "fill", "scale", "tp_followers", "transport"}
+
+
+@pytest.fixture
+def fake_pkg(tmp_path, monkeypatch):
+    """A namespace package of benchmarks: two real ones, a helper, a private one."""
+    pkg = tmp_path / "fakebench"
+    pkg.mkdir()
+    files = {
+        "ok.py": """
+            from gramcoord.launch.bench import BenchRecord
+
+            def run(args):
+                n = int(args[0]) if args else 1
+                return [BenchRecord.compare("thing", "other", 1.0, 2.0 * n, target=1.5)]
+            """,
+        # Listing must not import it: it would raise.
+        "boom.py": """
+            raise RuntimeError("imported")
+
+            def run(args):
+                return []
+            """,
+        "helper.py": "def not_run():\n    return 1\n",
+        "_private.py": "def run(args):\n    return []\n",
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fakebench"
+
+
+def test_available_lists_the_packaged_benchmarks_and_skips_helpers():
+    names = available()
+    assert set(names) >= SHIPPED, names
+    assert "all" not in names
+    # Helpers: a leading underscore, or no run() (the vLLM queue baseline).
+    assert not [n for n in names if n.startswith("_")]
+    assert "vllm_shm_queue" not in names
+    for name in names:
+        assert (ROOT / "benchmarks" / f"{name}.py").is_file(), name
+
+
+def test_available_reads_sources_without_importing(fake_pkg):
+    assert available(fake_pkg) == ["boom", "ok"]
+
+
+def test_load_refuses_an_unknown_name_and_lists_the_known_ones(fake_pkg):
+    with pytest.raises(SystemExit, match=r"unknown benchmark 'nope'; available: boom, ok, all"):
+        load("nope", fake_pkg)
+    with pytest.raises(SystemExit, match="helper"):
+        load("helper", fake_pkg)
+
+
+def test_run_bench_names_its_benchmark_on_every_record(fake_pkg, tmp_path, capsys):
+    records = run_bench("ok", ["3"], tmp_path / "out", package=fake_pkg)
+    assert [(r.bench, r.ratio, r.met) for r in records] == [("ok", 6.0, True)]
+    written = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert written[0]["bench"] == "ok" and written[0]["error"] is None
+    assert "thing" in capsys.readouterr().out
+
+
+def test_benchmarks_import_each_other_through_the_package():
+    """An installed package has no top-level ``benchmarks``: every import,
+    and every spawn target ("module:function"), must go through ``gramcoord``."""
+    bad = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                "benchmarks",
+                "launch",
+            ):
+                bad.append(f"{path.name}:{node.lineno} from {node.module}")
+            elif isinstance(node, ast.Import):
+                bad += [
+                    f"{path.name}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] == "benchmarks"
+                ]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(r"benchmarks\.\w+:[\w.]+", node.value):
+                    bad.append(f"{path.name}:{node.lineno} spawn target {node.value!r}")
+            elif isinstance(node, ast.Attribute) and ast.unparse(node) in (
+                "sys.path.insert",
+                "sys.path.append",
+            ):
+                bad.append(f"{path.name}:{node.lineno} edits sys.path")
+    assert bad == []
+
+
+# -- data an installed package finds ---------------------------------------------
+
+
+def test_a_checkout_keeps_its_own_data(monkeypatch):
+    monkeypatch.delenv("GRAMCOORD_DATA_DIR", raising=False)
+    assert installed_data_dir() is None
+    monkeypatch.setenv("GRAMCOORD_DATA_DIR", "/nonexistent")
+    assert installed_data_dir() is None
+
+
+def test_without_checkout_data_the_installed_subset_is_the_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRAMCOORD_DATA_DIR", raising=False)
+    monkeypatch.setattr(bench_mod, "dev_data_dir", lambda: tmp_path)
+    found = installed_data_dir()
+    # In this editable install, gramcoord.dev_data is tests/data itself.
+    assert found is not None and found.resolve() == (ROOT / "tests" / "data").resolve()
+    assert (found / "schemas-dev.xgrammar-labels.jsonl").is_file()
+    assert (found / "LICENSES").is_dir()
+
+
+def test_the_default_config_is_found_through_the_package():
+    config, workload = default_config()
+    assert config.resolve() == (ROOT / "configs" / "local.yaml").resolve()
+    assert workload.is_file()
+
+
+# -- bench all's choices, without running anything ---------------------------------
+
+
+def test_every_shipped_benchmark_has_a_plan():
+    assert set(PLANS) >= SHIPPED
+    assert set(PLANS) <= set(available()), "a plan for a benchmark that is gone"
+    assert all(p.timeout_s > 0 for p in PLANS.values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        pytest.param(["--only", "transport"], {"transport": []}, id="full-plan"),
+        pytest.param(
+            ["--only", "transport", "--quick"],
+            {"transport": list(PLANS["transport"].quick)},
+            id="quick-plan",
+        ),
+        pytest.param(
+            ["--only", "compile,transport", "--args", "transport=--iters 5 --rows 8"],
+            {"compile": list(PLANS["compile"].args), "transport": ["--iters", "5", "--rows", "8"]},
+            id="args-replace-a-plan",
+        ),
+    ],
+)
+def test_selection(argv, want):
+    assert _selection(_parse(argv)) == want
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--only", "nope"], "unknown benchmark", id="unknown-only"),
+        pytest.param(["--args", "nope=--x 1"], "unknown benchmark", id="unknown-args"),
+        pytest.param(["--args", "transport"], "expected NAME=ARGS", id="args-without-equals"),
+    ],
+)
+def test_selection_refuses_bad_input(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        _selection(_parse(argv))
+
+
+# -- the report --------------------------------------------------------------------
+
+
+def _summary(tmp_path: Path, with_forward: bool) -> Path:
+    """A summary.json as ``gramcoord run`` writes it, cut to what the report reads."""
+    latency = {
+        "agreement": percentiles([1.0, 2.0, 3.0]),
+        "mask_build": percentiles([0.5]),
+        "transport": percentiles([0.1, 0.2]),
+        "apply": percentiles([0.3]),
+        "compile": percentiles([40.0]),
+    }
+    if with_forward:
+        latency["forward"] = percentiles([4.0, 6.0])
+    summary = {"requests": {"total": 1}, "latency_ms": latency, "steps": 7, "wall_s": 1.5}
+    path = tmp_path / "summary.json"
+    path.write_bytes(msgspec.json.encode(summary))
+    return path
+
+
+@pytest.mark.parametrize("with_forward", [False, True], ids=["no-forward", "forward"])
+def test_breakdown_reads_the_summary_and_names_what_it_lacks(tmp_path, with_forward):
+    b = breakdown_of(_summary(tmp_path, with_forward), "configs/local.yaml", 20.0)
+    assert b.error is None and b.steps == 7 and b.run_wall_s == 1.5
+    assert [p.name for p in b.phases][:4] == ["agreement", "build", "transport", "apply"]
+    assert b.phases[0].p50_ms == 2.0 and b.phases[0].count == 3
+    assert b.missing == ([] if with_forward else ["model"])
+
+
+def test_breakdown_of_a_missing_summary_is_an_error(tmp_path):
+    b = breakdown_of(tmp_path / "summary.json", "configs/local.yaml", 3.0)
+    assert b.error and "no summary.json" in b.error and b.phases == []
+
+
+def _records() -> list[BenchRecord]:
+    rows = [
+        BenchRecord.compare("fast", "slow", 1.0, 4.0, target=3.0, note="a | b"),
+        BenchRecord.compare("miss", "slow", 1.0, 2.0, target=3.0),
+        BenchRecord.compare("timed", "cold", 0.2, 30.0, target_ms=0.5),
+        BenchRecord.compare("report", "other", 1.0, 1.1),
+    ]
+    for r in rows:
+        r.bench = "demo"
+    return [*rows, BenchRecord.failed("broken", "exit 1: ValueError: nope")]
+
+
+def test_score_is_the_distance_to_every_target():
+    fast, miss, timed, report, _ = _records()
+    assert score(fast) == pytest.approx(4 / 3)
+    assert score(miss) == pytest.approx(2 / 3)
+    assert score(timed) == pytest.approx(2.5)
+    assert score(report) is None
+
+
+def test_markdown_marks_missed_targets_and_failed_benchmarks(tmp_path):
+    runs = [
+        BenchRun(name="demo", args=["--n", "1"], wall_s=3.2, exit_code=0, num_records=4),
+        BenchRun(name="broken", args=[], wall_s=0.5, exit_code=1, error="exit 1: ValueError"),
+    ]
+    breakdown = breakdown_of(_summary(tmp_path, False), "configs/local.yaml", 20.0)
+    md = markdown(_records(), runs, breakdown)
+    header = (
+        "| benchmark | record | baseline | ours ms | baseline ms | ratio | target | met | note |"
+    )
+    targets, rest = md.split("**Runs**")
+    runs_part, all_part = rest.split("**All records**")
+    assert "2 met, 1 missed (**NO**), 1 benchmarks failed (**ERROR**)" in targets
+    # The README's table: rows with a target, and the failure; the report-only
+    # row is only in the full table.
+    rows = [ln for ln in targets.splitlines() if ln.startswith("| ") and ln != header]
+    assert [ln.split(" | ")[1] for ln in rows] == ["fast", "miss", "timed", "-"]
+    assert "| report |" not in targets and "| report |" in all_part
+    assert rows[1].count("**NO**") == 1
+    assert "| >= 3x | yes | a \\| b |" in rows[0]  # a pipe in a note stays in its cell
+    assert "<= 0.5 ms" in rows[2]
+    assert "**ERROR**" in rows[3] and "ValueError: nope" in rows[3]
+    # Every row has as many cells as the header.
+    cells = len(header.split(" | "))
+    assert all(len(re.split(r"(?<!\\) \| ", ln)) == cells for ln in rows)
+    assert "| demo | `--n 1` | 3.2 | 4 records |" in runs_part
+    assert "| model | - | - | not in summary.json |" in runs_part
+
+
+def test_format_table_shows_an_error_row():
+    text = format_table(_records()[-1:])
+    assert "broken: ERROR" in text and "ValueError" in text
+
+
+@pytest.mark.parametrize(
+    "breakdown",
+    [
+        None,
+        StepBreakdown(config="configs/local.yaml", wall_s=1.0, error="exit 1"),
+        "summary",
+    ],
+    ids=["no-run", "run-failed", "run"],
+)
+def test_plot_writes_a_png(tmp_path, breakdown):
+    if breakdown == "summary":
+        breakdown = breakdown_of(_summary(tmp_path, False), "configs/local.yaml", 20.0)
+    path = plot(_records(), breakdown, tmp_path / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_any_target(tmp_path):
+    path = plot(_records()[3:4], None, tmp_path / "bench.png")
+    assert path.stat().st_size > 1000
+
+
+# -- the command line --------------------------------------------------------------
+
+
+def test_bench_without_a_name_lists_the_benchmarks(capsys):
+    assert main(["bench"]) == 2
+    out = capsys.readouterr().out
+    assert "transport" in out and out.rstrip().endswith(", all")
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        pytest.param(["bench", "all", "--help"], "--quick", id="all"),
+        pytest.param(["bench", "transport", "--help"], "--iters", id="a-benchmark"),
+    ],
+)
+def test_bench_help_is_the_named_benchmarks_own(argv, want, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    assert want in capsys.readouterr().out
+
+
+def test_repeated_record_names_get_told_apart_in_the_plot():
+    from gramcoord.launch.bench_plot import _label
+
+    def rec(name, baseline, note):
+        r = BenchRecord.compare(name, baseline, 1.0, 2.0, target=1.0, note=note)
+        r.bench = "b"
+        return r
+
+    rows = [
+        rec("hop", "ping", "2 ranks, 64 pending; x"),
+        rec("hop", "ping", "2 ranks, 512 pending (window = pending); x"),
+        rec("repeat", "vllm", "n"),
+        rec("repeat", "sglang", "n"),
+        rec("alone", "z", "n"),
+    ]
+    assert [_label(r, rows) for r in rows] == [
+        "b: hop (2 ranks, 64 pending)",
+        "b: hop (2 ranks, 512 pending)",
+        "b: repeat vs vllm",
+        "b: repeat vs sglang",
+        "b: alone",
+    ]
