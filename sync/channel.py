@@ -285,8 +285,8 @@ class BitmaskChannel:
             Engine step, >= 0 and greater than the previous one.
         array
             int32 ``[rows, ceil(vocab_size / 32)]``. If it is the view from
-            :meth:`acquire` it is published in place; otherwise it is copied
-            into the next slot.
+            :meth:`acquire` (or any view of those same rows) it is published
+            in place; otherwise it is copied into the next slot.
         order
             Request ids in scheduling order.
         drafts
@@ -318,7 +318,7 @@ class BitmaskChannel:
         self._roster.raise_if_gone(self._roster.peers)
         acquired, self._acquired = self._acquired, None
         view = self.acquire(rows, timeout)
-        if array is not acquired:
+        if array is not acquired and not _same_rows(array, view):
             np.copyto(view, array)
         # The announcement also goes into the slot, for readers polling it.
         slot = self._ring.publish(step, ready if self._roster.has_shm_readers else b"")
@@ -448,3 +448,8 @@ class BitmaskChannel:
 def _garbled(payload: bytes) -> bytes:
     """``payload`` with every byte inverted: it no longer decodes as a message."""
     return bytes(b ^ 0xFF for b in payload)
+
+
+def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` already is the slot's rows (filled in place through another view)."""
+    return a.shape == b.shape and a.ctypes.data == b.ctypes.data

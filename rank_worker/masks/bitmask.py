@@ -154,6 +154,8 @@ class BitmaskBuilder:
         self,
         states: Sequence[GrammarState],
         drafts: Sequence[Sequence[int]] | None = None,
+        *,
+        out: np.ndarray | None = None,
     ) -> BuildResult:
         """Fill the rows of ``states``, in order, with their drafts.
 
@@ -163,6 +165,11 @@ class BitmaskBuilder:
             One grammar state per constrained request, in scheduling order.
         drafts:
             Per request, up to K draft tokens (``-1`` pads). ``None``: none.
+        out:
+            Where to fill instead of the builder's own buffer: an int32
+            ``[rows, width]`` array with at least ``len(states) * (K + 1)``
+            rows, e.g. a transport ring slot, so that publishing the rows
+            copies nothing.
 
         Returns
         -------
@@ -181,7 +188,14 @@ class BitmaskBuilder:
             raise ValueError(f"batch of {n} requests exceeds max_num_seqs={self.max_num_seqs}")
         if drafts is not None and len(drafts) != n:
             raise ValueError(f"{len(drafts)} draft lists for {n} requests")
-        out = self._buffer[: n * self.rows_per_request]
+        target = self._buffer if out is None else out
+        if target.dtype != np.int32 or target.ndim != 2 or target.shape[1] != self.width:
+            raise ValueError(
+                f"out must be int32 [rows, {self.width}], got {target.dtype} {target.shape}"
+            )
+        if target.shape[0] < n * self.rows_per_request:
+            raise ValueError(f"out has {target.shape[0]} rows; {n * self.rows_per_request} needed")
+        out = target[: n * self.rows_per_request]
         failures: dict[int, GrammarError] = {}
         if self.num_speculative_tokens == 0:
             if drafts is not None and any(d and d[0] >= 0 for d in drafts):

@@ -91,9 +91,11 @@ class SessionMasks:
     ) -> MaskBatch:
         """Fill the rows of ``request_ids`` (drafts included).
 
-        The rows are a view of the builder's buffer, valid until the next
-        call. A scheduler that pipelines steps (builds step n+1 before step
-        n's rows are applied) passes ``copy=True`` to own its rows.
+        The rows are a view of the builder's buffer (with TP workers: of the
+        transport's next ring slot, which ``publish`` then sends without a
+        copy), valid until the next call. A scheduler that pipelines steps
+        (builds step n+1 before step n's rows are applied) passes
+        ``copy=True`` to own its rows.
 
         On a ``read`` TP follower (``parallel.tp_followers: read``) the rows
         are the ones the leader published for ``step`` (required there),
@@ -116,7 +118,12 @@ class SessionMasks:
                 "advanced; call advance() with the sampled tokens first"
             )
         states = [self.state(r) for r in request_ids]
-        built = builder.build(states, drafts)
+        slot = None
+        if self.channel is not None and not copy:
+            # Fill the next ring slot in place: publish() then announces the
+            # rows without copying them (the copy is most of a publish).
+            slot = self.channel.acquire(len(request_ids) * builder.rows_per_request)
+        built = builder.build(states, drafts, out=slot)
         self._awaiting.update(request_ids)
         self._stats.masks_built += 1
         ids = tuple(request_ids)

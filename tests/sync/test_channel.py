@@ -335,5 +335,26 @@ def test_garbled_frames_are_dropped_and_every_step_still_arrives(run_id, kind, s
         channel.drain()
         assert channel.corrupted == 4
         reader.close()
-    # Every garbled frame reached the reader and was counted there once.
-    assert reader.dropped == 4
+    # Every garbled frame that reached the reader was counted there once. A
+    # polling reader takes steps from the ring, so it may close before the
+    # garbled announcements of its last steps come off its socket.
+    if spin_us:
+        assert 1 <= reader.dropped <= 4
+    else:
+        assert reader.dropped == 4
+
+
+def test_rows_filled_through_another_view_of_the_slot_are_not_copied(pair, monkeypatch):
+    channel, reader = pair
+    array, order, drafts = mask_for(0)
+    slot = channel.acquire(len(array))
+    slot[:] = array
+    same = slot[: len(array)]  # a new view object of the same rows
+    copies = []
+    real = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda *a, **k: (copies.append(1), real(*a, **k)))
+    channel.publish(0, same, order, drafts)
+    assert copies == []
+    view, got_order, _ = reader.receive(0)
+    assert np.array_equal(view, array) and got_order == tuple(order)
+    reader.release(0)
