@@ -129,7 +129,10 @@ class Compiler:
 
     def __init__(self, tokenizer: Tokenizer, grammar: GrammarConfig | None = None) -> None:
         self.grammar = grammar or GrammarConfig()
-        self.compiler = xgr.GrammarCompiler(tokenizer.info, max_threads=1, cache_enabled=False)
+        limit = int(self.grammar.cache_limit_mb * 2**20) // 2
+        self.compiler = xgr.GrammarCompiler(
+            tokenizer.info, max_threads=1, cache_enabled=True, cache_limit_bytes=limit
+        )
 
     def __call__(self, request: BenchRequest) -> xgr.CompiledGrammar:
         if request.kind == "json":
