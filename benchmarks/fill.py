@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import sys
@@ -37,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xgrammar as xgr
 
+from gramcoord.benchmarks.jump_forward import dev_records, usable_instances
 from gramcoord.launch.bench import BenchRecord, add_data_arg, median_ms
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
@@ -63,41 +63,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.data = args.data or dev_data_dir()
     return args
-
-
-def _instances(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
-    labels = {}
-    for line in (args.data / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        labels[rec["id"]] = rec
-    out = []
-    for line in (args.data / "schemas-dev.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        label = labels.get(rec["id"], {})
-        if label.get("status") != "ok" or label.get("compile_ms", 1e9) > args.max_label_ms:
-            continue
-        data = [inst["data"] for inst in rec["instances"] if inst["valid"]]
-        if data:
-            out.append((rec["id"], rec["schema"], data[0]))
-    return out
-
-
-def _compile_usable(tokenizer, records, any_whitespace: bool, limit: int):
-    """(id, compiled, instance text) for instances xgrammar accepts."""
-    compiler = xgr.GrammarCompiler(tokenizer.info, max_threads=1)
-    out = []
-    for sid, schema, data in records:
-        if len(out) >= limit:
-            break
-        text = json.dumps(data) if not any_whitespace else json.dumps(data, separators=(",", ":"))
-        try:
-            compiled = compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
-        except Exception:
-            continue
-        matcher = xgr.GrammarMatcher(compiled)
-        if matcher.accept_string(text) and matcher.is_completed():
-            out.append((sid, compiled, text))
-    return out
 
 
 def _batch(tokenizer, usable, n: int, rng: random.Random) -> list[GrammarState]:
@@ -218,7 +183,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     a = _args(args)
     tokenizer = load_tokenizer()
     t0 = time.perf_counter()
-    usable = _compile_usable(tokenizer, _instances(a), True, a.max_schemas)
+    usable = usable_instances(tokenizer, dev_records(a), True, a.max_schemas)
     print(
         f"compiled {len(usable)} usable dev schemas in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,

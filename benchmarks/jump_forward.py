@@ -94,7 +94,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _dev_records(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
+def dev_records(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
     """(id, schema, first valid instance) of quickly compiling dev schemas."""
     labels = {}
     for line in (args.data / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
@@ -112,7 +112,9 @@ def _dev_records(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
     return out
 
 
-def _usable(tokenizer: Tokenizer, records, any_whitespace: bool, limit: int) -> list[tuple]:
+def usable_instances(
+    tokenizer: Tokenizer, records, any_whitespace: bool, limit: int
+) -> list[tuple]:
     """(id, compiled, instance text) for instances xgrammar accepts."""
     compiler = xgr.GrammarCompiler(tokenizer.info, max_threads=1)
     out = []
@@ -210,10 +212,10 @@ def _record(kind: str, any_whitespace: bool, max_tokens: int, t: Tally) -> Bench
 def run(args: list[str]) -> list[BenchRecord]:
     a = _args(args)
     tokenizer = load_tokenizer()
-    records_in = _dev_records(a)
+    records_in = dev_records(a)
     limit = max(a.schemas if "synthetic" in a.models else 0, a.hf_schemas)
     t0 = time.perf_counter()
-    usable = {ws: _usable(tokenizer, records_in, ws, limit) for ws in (False, True)}
+    usable = {ws: usable_instances(tokenizer, records_in, ws, limit) for ws in (False, True)}
     print(
         f"bench jump_forward: {len(usable[False])} + {len(usable[True])} usable dev instances "
         f"compiled in {time.perf_counter() - t0:.1f} s",

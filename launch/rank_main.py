@@ -198,7 +198,7 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
     probe = ResourceProbe(rank)
     probe.start()
     session = _session(config, tokenizer, rank, job.run_id)
-    ok = False
+    ok, failure = False, None
     try:
         logger.info("%s on host %s", session.layout.describe(session.rank), socket.gethostname())
         bar, progress = _progress(job.progress and session.rank == 0)
@@ -226,8 +226,11 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
         else:
             gathered = [data]
         ok = True
+    except BaseException as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
-        session.close(drain=ok)
+        session.close(drain=ok, reason=failure)
     probe.after_close(out_dir / "logs")
     if rank != 0:
         return None

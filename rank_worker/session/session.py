@@ -562,17 +562,25 @@ class RankSession(SessionMasks):
             s.transport_dropped = self.reader.dropped
         return s
 
-    def close(self, *, drain: bool = True) -> None:
+    def close(self, *, drain: bool = True, reason: str | None = None) -> None:
         """Release the transport, the compile pool and the control groups.
 
         Parameters
         ----------
         drain:
             Complete sends still in flight first (``False`` after a failure).
+        reason:
+            Why the session ends early (the error); a TP leader passes it to
+            its workers with the channel's shutdown, so a worker that stops
+            because of it names the cause, not just "channel closed".
         """
+        channel = self.channel
+        close_channel = None
+        if channel is not None:
+            close_channel = (lambda: channel.close(reason)) if reason else channel.close
         for what, fn in (
             ("reader", self.reader.close if self.reader else None),
-            ("channel", self.channel.close if self.channel else None),
+            ("channel", close_channel),
             ("manager", self.manager.close if self.manager else None),
             ("runtime", (lambda: self.runtime.close(drain=drain)) if self.runtime else None),
         ):

@@ -16,7 +16,7 @@ from gramcoord.rank_worker.engine.models import HFModel, SyntheticModel, build_t
 @pytest.fixture(scope="module")
 def instances(qwen_tokenizer):
     args = bench._args(["--max-label-ms", "15"])
-    return bench._usable(qwen_tokenizer, bench._dev_records(args), False, 6)
+    return bench.usable_instances(qwen_tokenizer, bench.dev_records(args), False, 6)
 
 
 def test_synthetic_model_keeps_every_output(qwen_tokenizer, instances):

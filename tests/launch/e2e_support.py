@@ -367,3 +367,15 @@ class LeakGuard:
                 os.kill(pid, signal.SIGKILL)
         assert not procs, f"processes left behind: {procs}"
         assert not shm, f"/dev/shm entries left behind: {shm}"
+
+
+def leak_guarded(monkeypatch):
+    """The e2e tests' autouse fixture body: one line per console message
+    (rich wraps at $COLUMNS), and a ``LeakGuard`` checked after the test.
+
+    Use as ``leak_guard = pytest.fixture(autouse=True)(leak_guarded)``.
+    """
+    monkeypatch.setenv("COLUMNS", "1000")
+    guard = LeakGuard()
+    yield guard
+    guard.check()

@@ -32,7 +32,7 @@ from tests.launch.e2e_support import (
     CONFIGS,
     SMALL_IDS,
     SMALL_MAX_TOKENS,
-    LeakGuard,
+    leak_guarded,
     read_outputs,
     read_summary,
     sets,
@@ -51,12 +51,7 @@ QUICK = (
 )
 
 
-@pytest.fixture(autouse=True)
-def leak_guard(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "1000")
-    guard = LeakGuard()
-    yield guard
-    guard.check()
+leak_guard = pytest.fixture(autouse=True)(leak_guarded)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from tests.launch.e2e_support import (
     FAST,
     SMALL_IDS,
     SMALL_MAX_TOKENS,
-    LeakGuard,
+    leak_guarded,
     read_digests,
     read_outputs,
     sets,
@@ -38,12 +38,7 @@ INLINE = ("launcher=inline", "parallel.dp=1", "parallel.tp=1")
 SAME = ("status", "finish_reason", "text", "token_ids")
 
 
-@pytest.fixture(autouse=True)
-def leak_guard(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "1000")
-    guard = LeakGuard()
-    yield guard
-    guard.check()
+leak_guard = pytest.fixture(autouse=True)(leak_guarded)
 
 
 def _run(capfd, workload: Path, out: Path) -> list[dict]:

@@ -17,17 +17,19 @@ import re
 import pytest
 
 from gramcoord.launch.cli import main
-from tests.launch.e2e_support import CONFIGS, ROOT, LeakGuard, read_outputs, read_summary, sets
+from tests.launch.e2e_support import (
+    CONFIGS,
+    ROOT,
+    leak_guarded,
+    read_outputs,
+    read_summary,
+    sets,
+)
 
 HOSTILE = ROOT / "tests" / "data" / "hostile" / "hostile.jsonl.gz"
 
 
-@pytest.fixture(autouse=True)
-def leak_guard(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "1000")
-    guard = LeakGuard()
-    yield guard
-    guard.check()
+leak_guard = pytest.fixture(autouse=True)(leak_guarded)
 
 
 def _expected() -> dict[str, dict]:
