@@ -54,7 +54,7 @@ from pathlib import Path
 
 from gramcoord.benchmarks._scale_hosts import placement, sigterm_unwinds
 from gramcoord.benchmarks._scale_plot import write_svg
-from gramcoord.benchmarks.agreement import _interleaved, _sglang_step, _status
+from gramcoord.benchmarks.agreement import _interleaved, _local_status, _sglang_step
 from gramcoord.launch.bench import BenchRecord
 from gramcoord.launch.procs import free_port, run_procs
 
@@ -67,20 +67,6 @@ WIN_MARGIN = 1.1
 
 
 # -- child side -----------------------------------------------------------------
-
-
-def _local_status(pending: int, rank: int, world: int):
-    """``_status`` with a few entries of this rank's own still pending or failed."""
-    from gramcoord.coordinator.status import LocalStatus, PendingState
-
-    base = _status(pending)
-    states, reasons = list(base.states), list(base.reasons)
-    for i in range(pending):
-        if i % (4 * world) == 4 * rank:  # ready elsewhere, still pending here
-            states[i] = PendingState.PENDING
-        elif i % (4 * world) == 4 * rank + 1:  # ready elsewhere, failed here
-            states[i], reasons[i] = PendingState.FAILED, 30 + rank % 30
-    return LocalStatus(seqs=base.seqs, states=tuple(states), reasons=tuple(reasons))
 
 
 def _flat_and_levels(rank, pending, runtime, levels):
