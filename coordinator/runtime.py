@@ -77,6 +77,19 @@ class Comm(Protocol):
 _REDUCE_OPS = {"band": dist.ReduceOp.BAND, "max": dist.ReduceOp.MAX}
 
 
+class PendingGather:
+    """An ``all_gather`` in flight (``Runtime.all_gather_start``)."""
+
+    def __init__(self, runtime, work, recv, shape, group: str, operation: str, step: int) -> None:
+        self._runtime, self._work, self._recv = runtime, work, recv
+        self._shape, self.group, self.operation, self.step = shape, group, operation, step
+
+    def wait(self) -> np.ndarray:
+        """Every member's row, int64[members, len(row)]; raises as ``all_gather``."""
+        self._runtime._wait(self._work, self.group, self.operation, self.step, None)
+        return self._recv.numpy().reshape(self._shape)
+
+
 class Runtime:
     """This rank's control groups and the calls made over them.
 
@@ -259,6 +272,24 @@ class Runtime:
             )
             self._buffers[(group, size)] = bufs
         return bufs
+
+    def all_gather_start(
+        self, group: str, row: np.ndarray, *, operation: str, step: int
+    ) -> PendingGather:
+        """``all_gather`` posted without waiting: ``.wait()`` returns its result.
+
+        Its buffers are its own, so other calls may run meanwhile; every
+        member must post the same calls in the same order, as always.
+        """
+        pg, ranks = self._group(group)
+        n, size = len(ranks), row.size
+        send = torch.from_numpy(np.tile(np.asarray(row, dtype=np.int64), n))
+        recv = torch.empty(n * size, dtype=torch.int64)
+        try:
+            work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
+        except RuntimeError as exc:
+            self._lost(group, operation, step, None, exc)
+        return PendingGather(self, work, recv, (n, size), group, operation, step)
 
     def all_gather(self, group: str, row: np.ndarray, *, operation: str, step: int) -> np.ndarray:
         """Every member's ``row``, stacked in group order: int64[members, len(row)].

@@ -110,6 +110,8 @@ class LastStage:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-build") if self.leader else None
         # Failures of this stage's admission (e.g. grammar_stage_timeout).
         self.stage_failures: dict[str, tuple[str, str]] = {}
+        # The TP check posted last step, settled this step (see _check_tp).
+        self._tp_pending = None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -260,28 +262,48 @@ class LastStage:
         return picks, row_digests
 
     def _check_tp(self, step, picks, step_digest, runnable, row_digests) -> None:
+        """Post this step's TP cross-check and settle the previous step's.
+
+        Every TP rank of the stage posts ``[step, hash(picks), step digest]``
+        without waiting and compares the previous step's answers, so a rank
+        never waits on its peers here: the check lags one step, and the
+        step it names is the one that differed.
+        """
         runtime = self.session.runtime
         if runtime is None or self.session.layout.tp == 1:
             return
+        self.settle_tp_check()
         h = hash(tuple(picks)) & 0x7FFFFFFFFFFFFFFF
         row = np.array([step, h, step_digest], dtype=np.int64)
-        got = runtime.all_gather("tp", row, operation="tp sample check", step=step)
+        pending = runtime.all_gather_start("tp", row, operation="tp sample check", step=step)
+        self._tp_pending = (pending, self._row_positions(runnable, row_digests))
+
+    def settle_tp_check(self) -> None:
+        """Wait for the last posted TP check; raise ``DeterminismError`` if it differed.
+
+        The step loop calls it once more after its last step.
+        """
+        if self._tp_pending is None:
+            return
+        (pending, (where, flat)), self._tp_pending = self._tp_pending, None
+        got = pending.wait()
         if (got == got[0]).all():
             return
+        runtime = self.session.runtime
         ranks = runtime.members("tp")
         odd = tuple(r for r, g in zip(ranks, got) if not (g == got[0]).all())
-        rid, pos = self._first_difference(step, runnable, row_digests)
+        rid, pos = self._first_difference(pending.step, where, flat)
         raise DeterminismError(
-            f"[rank {self.session.rank}] step {step}: TP ranks {list(odd)} sampled or masked "
-            f"differently from rank {ranks[0]}; first differing row: request {rid!r}, "
+            f"[rank {self.session.rank}] step {pending.step}: TP ranks {list(odd)} sampled or "
+            f"masked differently from rank {ranks[0]}; first differing row: request {rid!r}, "
             f"position {pos}",
             ranks=odd,
             request_id=rid,
             position=pos,
         )
 
-    def _first_difference(self, step, runnable, row_digests) -> tuple[str, int]:
-        runtime = self.session.runtime
+    def _row_positions(self, runnable, row_digests):
+        """(request, position) of every digested row of this step, and the digests."""
         width = self.session.config.scheduler.max_num_seqs * (1 + self.k)
         flat = np.zeros(width, dtype=np.int64)
         where: list[tuple[str, int]] = []
@@ -290,7 +312,10 @@ class LastStage:
             for i, d in enumerate(row_digests.get(s.request_id, ())):
                 flat[len(where)] = d
                 where.append((s.request_id, base + i))
-        got = runtime.all_gather("tp", flat, operation="tp digest exchange", step=step)
+        return where, flat
+
+    def _first_difference(self, step, where, flat) -> tuple[str, int]:
+        got = self.session.runtime.all_gather("tp", flat, operation="tp digest exchange", step=step)
         for j in range(len(where)):
             if not (got[:, j] == got[0, j]).all():
                 return where[j]

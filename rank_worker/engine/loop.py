@@ -163,6 +163,8 @@ def run_loop(
             if frame.done:
                 break
             step += 1
+        if last is not None:
+            last.settle_tp_check()  # the last step's TP check is still in flight
     finally:
         if last is not None:
             last.close()
