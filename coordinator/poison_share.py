@@ -85,8 +85,15 @@ class PoisonShare:
         self._reduce_max = reduce_max
         self._queue: list[PoisonRecord] = []
         self._queued: set[bytes] = set()
-        self._flag = np.zeros(2, dtype=np.int64)
+        # [records waiting, clock ms, busy]: one all_reduce(MAX) per step.
+        self._flag = np.zeros(3, dtype=np.int64)
         self.exchanges = 0
+        # Set by the owner before an exchange: whether this member still has
+        # work (its run's end-of-run vote rides on the exchange's reduce).
+        # None: no vote this time. Every member sets it, or none does.
+        self.busy: bool | None = None
+        # After an exchange: (its step, whether any member was busy).
+        self.vote: tuple[int, bool] | None = None
 
     @property
     def waiting(self) -> int:
@@ -116,7 +123,10 @@ class PoisonShare:
                 self._queued.add(rec.key)
         self._flag[0] = len(self._queue)
         self._flag[1] = clock_ms
-        waiting, agreed_clock = (int(x) for x in self._reduce_max(self._flag))
+        self._flag[2] = int(bool(self.busy))
+        waiting, agreed_clock, busy = (int(x) for x in self._reduce_max(self._flag))
+        self.vote = (step, bool(busy)) if self.busy is not None else None
+        self.busy = None
         if waiting == 0:
             return (), agreed_clock
         n = min(waiting, self.max_records_per_step)

@@ -189,6 +189,7 @@ def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) 
     arrivals = origin.arrive(step)
     if next_leader is not None:
         link.send(next_leader, frames.encode(arrivals), operation="arrivals", step=step)
+    session.report_busy(not origin.idle)
     t0 = time.perf_counter()
     decided = session.step(step)
     timings.add("agreement", (time.perf_counter() - t0) * 1e3)

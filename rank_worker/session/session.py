@@ -487,6 +487,25 @@ class RankSession(SessionMasks):
             return 0
         return len(admission.coordinator.exchange_poison(sync, admission))
 
+    def report_busy(self, busy: bool) -> None:
+        """Before ``step``: whether this replica still has work to do.
+
+        With a per-step poison exchange the end-of-run vote then rides on
+        that exchange's one ``all_reduce`` and ``all_done`` needs no
+        collective of its own. The vote is the replicas' state before the
+        step's decision, so a run can end one step later than a separate
+        vote after it would say. Call it on every stage-0 leader each step,
+        or on none.
+        """
+        share = self._poison_share()
+        if share is not None:
+            share.busy = busy
+
+    def _poison_share(self):
+        admission = self.admission
+        coordinator = getattr(admission, "coordinator", None) if admission else None
+        return getattr(coordinator, "poison", None)
+
     def all_done(self, step: int, done: bool) -> bool:
         """Whether every replica's stage-0 leader is done (one tiny all_gather).
 
@@ -498,6 +517,10 @@ class RankSession(SessionMasks):
         """
         if self.runtime is None or not self.runtime.members("replicas"):
             return done
+        share = self._poison_share()
+        if share is not None and share.vote is not None and share.vote[0] == step:
+            # The vote rode on this step's poison exchange (see ``report_busy``).
+            return not share.vote[1]
         row = np.array([0 if done else 1], dtype=np.int64)
         got = self.runtime.all_gather("replicas", row, operation="done vote", step=step)
         return not got.any()
