@@ -185,7 +185,9 @@ def test_greedy_outputs_do_not_depend_on_drafts(
     assert got.finish_reason == expected.finish_reason
     assert (got.error and got.error.code) == (expected.error and expected.error.code)
     assert got.num_steps <= expected.num_steps
-    if detour is None:
+    if detour is None and expected.finish_reason != "length":
+        # Followed to its end, the instance is the output (a long one runs
+        # into max_tokens first).
         assert expected.text.endswith(text), sid
 
 
