@@ -208,6 +208,25 @@ def _garbage(
     return [templates[0], b"extra part"]
 
 
+def _send_with_backpressure(ch, frames, deadline_s: float = 30.0) -> None:
+    """Send fuzz, waiting while the reader's queue is full.
+
+    A reader that takes its steps from the ring may drain its socket later
+    than the writer fills it (on 2 busy cores its zmq thread can lag), and
+    the control socket then refuses more (``TransportTimeout``); a real
+    writer sends one message per step, the fuzzer fifty.
+    """
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            ch.control.send_frames("tp1", frames)
+            return
+        except TransportTimeout:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.001)
+
+
 def test_reader_survives_ten_thousand_fuzzed_frames(peers, run_id):
     steps, per_step = 200, 50
     rng = np.random.default_rng(1234)
@@ -218,7 +237,7 @@ def test_reader_survives_ten_thousand_fuzzed_frames(peers, run_id):
         slot_rows = {}
         for step in range(steps):
             for _ in range(per_step):
-                ch.control.send_frames("tp1", _garbage(rng, step, slot_rows))
+                _send_with_backpressure(ch, _garbage(rng, step, slot_rows))
             array, order, drafts = mask_for(step)
             slot_rows[step] = (ch.publish(step, array, order, drafts), array.shape[0])
         ch.drain()
