@@ -165,6 +165,22 @@ class Output(msgspec.Struct, frozen=True):
     token_ids: list[int]
 
 
+def take_token(req, token: int, stop_ids: frozenset[int]) -> Output | None:
+    """A baseline request (``.request``, ``.matcher``, ``.out``) takes ``token``:
+    its final ``Output`` if that ends it, else None."""
+    if not req.matcher.accept_token(token):
+        return Output("failed", "error", list(req.out))
+    req.out.append(token)
+    reason = finish_reason(
+        token,
+        terminated=req.matcher.is_terminated(),
+        length=len(req.out),
+        max_tokens=req.request.max_tokens,
+        stop_ids=stop_ids,
+    )
+    return None if reason is None else Output("ok", reason, list(req.out))
+
+
 class RankRun(msgspec.Struct, kw_only=True):
     """One rank's part of one run."""
 

@@ -50,8 +50,8 @@ from gramcoord.benchmarks._step_common import (
     Output,
     RankRun,
     RunClock,
-    finish_reason,
     replica_share,
+    take_token,
 )
 from gramcoord.rank_worker.config import SamplingConfig
 from gramcoord.rank_worker.engine.models import SyntheticModel
@@ -165,22 +165,10 @@ class _Scheduler:
     def accept(self, batch: Sequence[_Req], picks: Sequence[int]) -> None:
         finished = set()
         for req, token in zip(batch, picks):
-            rid = req.request.request_id
-            if not req.matcher.accept_token(token):
-                self.outputs[rid] = Output("failed", "error", list(req.out))
-                finished.add(rid)
-                continue
-            req.out.append(token)
-            reason = finish_reason(
-                token,
-                terminated=req.matcher.is_terminated(),
-                length=len(req.out),
-                max_tokens=req.request.max_tokens,
-                stop_ids=self.stop_ids,
-            )
-            if reason is not None:
-                self.outputs[rid] = Output("ok", reason, list(req.out))
-                finished.add(rid)
+            done = take_token(req, token, self.stop_ids)
+            if done is not None:
+                self.outputs[req.request.request_id] = done
+                finished.add(req.request.request_id)
         self.running = [r for r in self.running if r.request.request_id not in finished]
 
 

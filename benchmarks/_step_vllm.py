@@ -46,8 +46,8 @@ from gramcoord.benchmarks._step_common import (
     Output,
     RankRun,
     RunClock,
-    finish_reason,
     replica_share,
+    take_token,
 )
 from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue
 from gramcoord.rank_worker.config import SamplingConfig
@@ -156,24 +156,12 @@ class _Manager:
     def update_from_output(self, picks: Sequence[int]) -> None:
         keep = []
         for req, token in zip(self.running, picks):
-            rid = req.request.request_id
-            if not req.matcher.accept_token(token):
-                self.outputs[rid] = Output("failed", "error", list(req.out))
-                self.finished.append(rid)
-                continue
-            req.out.append(token)
-            reason = finish_reason(
-                token,
-                terminated=req.matcher.is_terminated(),
-                length=len(req.out),
-                max_tokens=req.request.max_tokens,
-                stop_ids=self.stop_ids,
-            )
-            if reason is None:
+            done = take_token(req, token, self.stop_ids)
+            if done is None:
                 keep.append(req)
             else:
-                self.outputs[rid] = Output("ok", reason, list(req.out))
-                self.finished.append(rid)
+                self.outputs[req.request.request_id] = done
+                self.finished.append(req.request.request_id)
         self.running = keep
 
 

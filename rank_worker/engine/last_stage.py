@@ -285,14 +285,14 @@ class LastStage:
         """
         if self._tp_pending is None:
             return
-        (pending, (where, flat)), self._tp_pending = self._tp_pending, None
+        (pending, rows), self._tp_pending = self._tp_pending, None
         got = pending.wait()
         if (got == got[0]).all():
             return
         runtime = self.session.runtime
         ranks = runtime.members("tp")
         odd = tuple(r for r, g in zip(ranks, got) if not (g == got[0]).all())
-        rid, pos = self._first_difference(pending.step, where, flat)
+        rid, pos = self._first_difference(pending.step, rows)
         raise DeterminismError(
             f"[rank {self.session.rank}] step {pending.step}: TP ranks {list(odd)} sampled or "
             f"masked differently from rank {ranks[0]}; first differing row: request {rid!r}, "
@@ -302,23 +302,23 @@ class LastStage:
             position=pos,
         )
 
-    def _row_positions(self, runnable, row_digests):
-        """(request, position) of every digested row of this step, and the digests."""
-        width = self.session.config.scheduler.max_num_seqs * (1 + self.k)
-        flat = np.zeros(width, dtype=np.int64)
-        where: list[tuple[str, int]] = []
+    def _row_positions(self, runnable, row_digests) -> list[tuple[str, int, int]]:
+        """(request, position, digest) of every digested row of this step."""
+        rows = []
         for s in runnable:
             base = len(self.views[s.request_id].out)
             for i, d in enumerate(row_digests.get(s.request_id, ())):
-                flat[len(where)] = d
-                where.append((s.request_id, base + i))
-        return where, flat
+                rows.append((s.request_id, base + i, d))
+        return rows
 
-    def _first_difference(self, step, where, flat) -> tuple[str, int]:
+    def _first_difference(self, step, rows) -> tuple[str, int]:
+        """Only after a mismatch: exchange the rows' digests to name the first that differs."""
+        flat = np.zeros(self.session.config.scheduler.max_num_seqs * (1 + self.k), np.int64)
+        flat[: len(rows)] = [d for _, _, d in rows]
         got = self.session.runtime.all_gather("tp", flat, operation="tp digest exchange", step=step)
-        for j in range(len(where)):
+        for j, (rid, pos, _) in enumerate(rows):
             if not (got[:, j] == got[0, j]).all():
-                return where[j]
+                return rid, pos
         return ("<sampled tokens>", -1)
 
     # -- acceptance (leader) ------------------------------------------------------
