@@ -29,6 +29,8 @@ from pathlib import Path
 import msgspec
 
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
+from gramcoord.launch.failures import backend_problem
+from gramcoord.launch.progress import ProgressWriter, local_bar
 from gramcoord.launch.resources import ResourceProbe
 from gramcoord.launch.summary import Summary, digests_by_request, merge, write_run
 from gramcoord.launch.workload import stream_workload
@@ -50,8 +52,12 @@ class RankJob(msgspec.Struct, frozen=True, kw_only=True):
     workload: str
     out_dir: str
     run_id: str
-    # Show a progress bar on rank 0.
+    # Under the user's own launcher: rank 0 draws a progress bar on its
+    # stderr when that is a terminal.
     progress: bool = True
+    # The launcher's progress channel (``gramcoord.launch.progress``); set by
+    # ``gramcoord run``, which draws the bar itself.
+    progress_dir: str = ""
 
 
 class DeterminismMismatch(RuntimeError):
@@ -126,6 +132,20 @@ class _RankLogs:
         self._native.__enter__()
         return self
 
+    def failure(self, exc: BaseException) -> None:
+        """The whole traceback of what ended the rank, in its log file only
+        (the console gets one line: ``gramcoord.launch.failures``)."""
+        record = logger.makeRecord(
+            logger.name,
+            logging.ERROR,
+            __file__,
+            0,
+            "rank %d failed: %s: %s",
+            (self.rank, type(exc).__name__, exc),
+            (type(exc), exc, exc.__traceback__),
+        )
+        self.handler.handle(record)
+
     def __exit__(self, *exc: object) -> None:
         self._native.__exit__(*exc)
         root = logging.getLogger()
@@ -138,22 +158,18 @@ class _RankLogs:
         self.handler.close()
 
 
-def _progress(enabled: bool):
-    if not enabled:
-        return None, None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress(job: RankJob, rank: int):
+    """(bar, callback): counts to the launcher's channel, or rank 0's own bar.
 
-    bar = Progress(
-        TextColumn("run"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    )
-    task = bar.add_task("requests", total=None)
-    return bar, (lambda done, total: bar.update(task, completed=done, total=total))
+    Under a launcher of ours every rank gets a writer (only origin ranks
+    call it); under the user's own torchrun rank 0 draws its replica's count
+    itself, on a terminal only (``gramcoord.launch.progress``).
+    """
+    if job.progress_dir:
+        return None, ProgressWriter(job.progress_dir, rank)
+    if job.progress and rank == 0:
+        return local_bar()
+    return None, None
 
 
 def _session(config: ClusterConfig, tokenizer, rank: int, run_id: str) -> RankSession:
@@ -183,8 +199,12 @@ def _session(config: ClusterConfig, tokenizer, rank: int, run_id: str) -> RankSe
 def run_rank(job: RankJob) -> Summary | None:
     """This rank's whole run; rank 0 returns the summary, the others ``None``."""
     rank = int(os.environ.get("RANK", "0"))
-    with _RankLogs(Path(job.out_dir), rank):
-        return _run_rank(job, rank)
+    with _RankLogs(Path(job.out_dir), rank) as logs:
+        try:
+            return _run_rank(job, rank)
+        except BaseException as exc:
+            logs.failure(exc)
+            raise
 
 
 def _run_rank(job: RankJob, rank: int) -> Summary | None:
@@ -201,7 +221,7 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
     ok, failure = False, None
     try:
         logger.info("%s on host %s", session.layout.describe(session.rank), socket.gethostname())
-        bar, progress = _progress(job.progress and session.rank == 0)
+        bar, progress = _progress(job, session.rank)
         try:
             if bar is not None:
                 bar.start()
@@ -217,6 +237,8 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
             )
             probe.end_of_loop(report.steps)
         finally:
+            if isinstance(progress, ProgressWriter):
+                progress.flush()
             if bar is not None:
                 bar.stop()
         data = msgspec.msgpack.encode(report)
@@ -252,6 +274,28 @@ def entry(job: bytes) -> bytes:
     return msgspec.msgpack.encode(summary) if summary is not None else b""
 
 
+def _print_summary(summary: Summary, out_dir: Path) -> None:
+    """Rank 0 under the user's own launcher: the table and where the outputs are."""
+    from rich.console import Console
+
+    from gramcoord.launch.report import summary_table
+
+    console = Console()
+    console.print(summary_table(summary, out_dir))
+    console.print(
+        f"gramcoord: wrote {out_dir}/outputs.jsonl, summary.json and digests.jsonl; "
+        f"logs in {out_dir}/logs",
+        markup=False,
+        highlight=False,
+    )
+    for m in summary.determinism.first:
+        console.print(
+            f"determinism mismatch: {m.what} of request {m.request_id!r} at position "
+            f"{m.position} on rank(s) {list(m.ranks)}",
+            markup=False,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m gramcoord.launch.rank_main CONFIG`` under the user's own torchrun."""
     p = argparse.ArgumentParser(prog="gramcoord.launch.rank_main")
@@ -265,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"gramcoord: config error: {exc}", file=sys.stderr)
+        return 2
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    problem = backend_problem(config, int(local) if local and local.isdigit() else None)
+    if problem:
+        print(f"gramcoord: {problem}", file=sys.stderr)
         return 2
     from gramcoord.coordinator.errors import CoordinatorError
     from gramcoord.rank_worker.engine.last_stage import DeterminismError
@@ -284,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
     except (CoordinatorError, TransportError) as exc:
         print(f"gramcoord: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # the traceback is in the rank's log
+        rank = os.environ.get("RANK", "0")
+        print(
+            f"gramcoord: rank {rank} failed: {type(exc).__name__}: {exc} "
+            f"(traceback in {Path(job.out_dir) / 'logs' / f'rank{rank}.log'})",
+            file=sys.stderr,
+        )
+        return 1
+    if summary is not None:  # rank 0: what `gramcoord run` prints
+        _print_summary(summary, Path(job.out_dir))
     if summary is not None and summary.determinism.mismatches:
         return 3
     return 0

@@ -14,6 +14,7 @@ config or workload, 3 a determinism mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from pathlib import Path
@@ -22,8 +23,16 @@ import msgspec
 from rich.console import Console
 
 from gramcoord.launch.config import ClusterConfig
+from gramcoord.launch.failures import (
+    EXIT_INTERRUPTED,
+    INTERRUPTED,
+    backend_problem,
+    brief_failure,
+    write_failures,
+)
 from gramcoord.launch.launchers import RankOutcome, launch_inline, launch_torchrun
 from gramcoord.launch.procs import format_failures, patched_environ
+from gramcoord.launch.progress import watch_progress
 from gramcoord.launch.rank_main import ENTRY, RankJob
 from gramcoord.launch.report import summary_table
 from gramcoord.launch.resources import RUN_ID_ENV, collect
@@ -54,21 +63,29 @@ def check_inputs(config: ClusterConfig, workload: str) -> str | None:
             "launcher 'external' means your own launcher starts the ranks: run "
             "`torchrun --nproc-per-node N -m gramcoord.launch.rank_main CONFIG`"
         )
-    return None
+    return backend_problem(config)
 
 
 def launch(config: ClusterConfig, workload: str, out_dir: Path, *, progress: bool) -> RunResult:
-    """Start every rank and wait for them; never raises for a failed rank."""
+    """Start every rank and wait for them; never raises for a failed rank.
+
+    With ``progress`` the origin ranks report their counts to this process,
+    which draws the bar on stderr when that is a terminal (``progress.py``).
+    ``KeyboardInterrupt`` propagates once every rank is stopped.
+    """
     job = RankJob(
         config=config,
         workload=workload,
         out_dir=str(out_dir),
         run_id=secrets.token_hex(4),
-        progress=progress,
+        progress=False,
     )
     # Every rank process inherits it, so leftovers can be found (resources.py).
-    with patched_environ({RUN_ID_ENV: job.run_id}):
-        outcomes = _start(config, job)
+    with (
+        patched_environ({RUN_ID_ENV: job.run_id}),
+        watch_progress() if progress else contextlib.nullcontext("") as progress_dir,
+    ):
+        outcomes = _start(config, msgspec.structs.replace(job, progress_dir=progress_dir))
     result = _result(outcomes, out_dir)
     if result.summary is not None:
         result.summary.resources = collect(out_dir, job.run_id, config.parallel.world_size)
@@ -115,11 +132,12 @@ def _result(outcomes: list[RankOutcome], out_dir: Path) -> RunResult:
             if any(o.error_type in _DETERMINISM_ERRORS for o in failed)
             else EXIT_INFRA
         )
-        return RunResult(
-            exit_code=code,
-            out_dir=str(out_dir),
-            error=format_failures(outcomes, "the run failed"),
-        )
+        # The cause on the console, every rank's traceback in the logs.
+        kept = write_failures(out_dir, format_failures(outcomes, "the run failed"))
+        error = brief_failure(outcomes, "gramcoord: the run failed")
+        if kept is not None:
+            error += f"\nfull tracebacks: {kept} and the rank logs beside it"
+        return RunResult(exit_code=code, out_dir=str(out_dir), error=error)
     rank0 = next(o for o in outcomes if o.rank == 0)
     summary = msgspec.msgpack.decode(rank0.value, type=Summary)
     code = EXIT_DETERMINISM if summary.determinism.mismatches else EXIT_OK
@@ -131,7 +149,11 @@ def main_run(config: ClusterConfig, workload: str, out_dir: Path, console: Conso
     if problem:
         console.print(f"gramcoord: {problem}")
         return EXIT_CONFIG
-    result = launch(config, workload, out_dir, progress=True)
+    try:
+        result = launch(config, workload, out_dir, progress=True)
+    except KeyboardInterrupt:  # every rank is stopped by now
+        console.print(INTERRUPTED.format(logs=out_dir / "logs"), markup=False, highlight=False)
+        return EXIT_INTERRUPTED
     if result.summary is not None:
         console.print(summary_table(result.summary, out_dir))
     if result.error:

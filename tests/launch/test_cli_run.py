@@ -376,3 +376,61 @@ def test_hostile_records_fail_alone_and_the_run_completes(tmp_path, capfd):
     assert by_id["spec-é"]["error"]["code"] == "spec_bad_json"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["json_valid"]["unverifiable"] == 1
+
+
+# -- an NCCL config on a machine that cannot run it -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("devices", "needle"),
+    [
+        pytest.param((True, 0), "(0 visible here)", id="no-gpu"),
+        pytest.param((True, 2), "(2 visible here)", id="too-few"),
+        pytest.param((False, 8), "built without NCCL", id="no-nccl"),
+    ],
+)
+def test_nccl_config_without_gpus_exits_2_in_one_line(
+    tmp_path, workload, capsys, no_launch, monkeypatch, devices, needle
+):
+    """Checked before any rank starts; the probe is stubbed, so no GPU is needed
+    (and a machine with GPUs gets the same answer)."""
+    import gramcoord.launch.failures as failures
+
+    monkeypatch.setattr(failures, "cuda_devices", lambda: devices)
+    monkeypatch.setenv("COLUMNS", "1000")
+    for command in ("run", "verify"):
+        argv = [command, str(CONFIGS / "gpu-node.yaml"), "--workload", str(workload)]
+        assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+        out = capsys.readouterr().out
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "Traceback" not in out, out
+        assert "'nccl' needs CUDA GPUs" in out and "8 rank(s) on this machine" in out, out
+        assert needle in out, out
+    assert not (tmp_path / "out").exists()
+    # Under the user's own torchrun: the node's ranks, same status.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    argv = [str(CONFIGS / "gpu-node.yaml"), "--workload", str(workload)]
+    assert rank_main.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "4 rank(s) on this machine" in err and needle in err, err
+
+
+def test_nccl_precheck_passes_with_enough_gpus(monkeypatch):
+    import gramcoord.launch.failures as failures
+    from gramcoord.launch.config import load_config
+
+    config = load_config(CONFIGS / "gpu-node.yaml")
+    monkeypatch.setattr(failures, "cuda_devices", lambda: (True, 8))
+    assert failures.backend_problem(config) is None
+    assert failures.backend_problem(load_config(CONFIGS / "local.yaml")) is None
+    monkeypatch.setattr(failures, "cuda_devices", lambda: (True, 4))
+    # Two nodes of four ranks each fit four GPUs per node.
+    two_nodes = load_config(CONFIGS / "gpu-node.yaml", ["distributed.nnodes=2"])
+    assert failures.backend_problem(two_nodes) is None
+
+
+def test_the_real_probe_answers_without_a_gpu():
+    from gramcoord.launch.failures import cuda_devices
+
+    nccl, count = cuda_devices()
+    assert isinstance(nccl, bool) and count >= 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -60,11 +61,16 @@ def workload(tmp_path_factory):
     return write_workload(path, SMALL_IDS, max_tokens=SMALL_MAX_TOKENS)
 
 
-def _cli(capfd, config, workload, out, *overrides) -> tuple[int, str]:
+def _cli_raw(capfd, config, workload, out, *overrides) -> tuple[int, str, str]:
     argv = ["run", str(CONFIGS / config), "--workload", str(workload), "--out", str(out)]
     rc = main(argv + sets(*QUICK, *overrides))
     captured = capfd.readouterr()
-    return rc, squash(captured.out + "\n" + captured.err)
+    raw = captured.out + "\n" + captured.err
+    return rc, squash(raw), raw
+
+
+def _cli(capfd, config, workload, out, *overrides) -> tuple[int, str]:
+    return _cli_raw(capfd, config, workload, out, *overrides)[:2]
 
 
 # -- the config section -------------------------------------------------------------
@@ -153,7 +159,7 @@ def test_killed_rank_is_named_by_the_survivor_within_the_bound(tmp_path, workloa
 @pytest.mark.timeout(180)
 def test_hung_rank_fails_the_run_naming_it(tmp_path, workload, capfd):
     start = time.monotonic()
-    rc, text = _cli(
+    rc, text, raw = _cli_raw(
         capfd,
         "local.yaml",
         workload,
@@ -168,6 +174,13 @@ def test_hung_rank_fails_the_run_naming_it(tmp_path, workload, capfd):
     # Start-up, three steps, then the step timeout and the bound.
     assert took <= 60 + BOUND_S, took
     assert "hangs at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
+    # The cause in a line (and where the rest is), the traceback in the logs.
+    lines = [ln for ln in raw.splitlines() if ln.strip()]
+    assert len(lines) == 2 and "Traceback" not in raw, raw
+    assert lines[0].startswith("gramcoord: the run failed: rank 0: PeerLostError:"), raw
+    rank0 = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "Traceback" in rank0 and "PeerLostError" in rank0
+    assert "--- rank 0 (PeerLostError" in (tmp_path / "logs" / "failures.log").read_text()
 
 
 # -- the TP transport ------------------------------------------------------------------------
@@ -209,3 +222,48 @@ def test_corrupted_frames_are_counted_and_change_nothing(tmp_path, workload, cap
     assert [(o["id"], o["token_ids"], o["status"]) for o in read_outputs(faulty)] == [
         (o["id"], o["token_ids"], o["status"]) for o in read_outputs(clean)
     ]
+
+
+# -- Ctrl-C --------------------------------------------------------------------------------
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("to", ["group", "launcher"])
+def test_ctrl_c_stops_every_rank_in_one_line_with_130(tmp_path, workload, to):
+    """SIGINT while a rank hangs (so the run is certainly still going), to the
+    whole process group as a terminal's Ctrl-C sends it, or to the launcher
+    alone (``kill -INT``): one line, exit 130, and the leak guard finds no
+    process and no /dev/shm entry left."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "gramcoord.launch.cli", "run", str(CONFIGS / "local.yaml")]
+    argv += ["--workload", str(workload), "--out", str(out)]
+    argv += sets(*QUICK, "parallel.tp=1", "faults.hang_rank=1", "faults.at_step=2")
+    argv += sets("distributed.step_timeout_s=150")
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "COLUMNS": "1000"},
+    )
+    try:
+        log = out / "logs" / "rank1.log"
+        while not (log.is_file() and "hangs at step 2" in log.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    text = stdout + stderr
+    assert proc.returncode == 130, text
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert lines == [f"gramcoord: interrupted; ranks stopped, partial logs in {out / 'logs'}"], text
