@@ -23,6 +23,10 @@ Written to ``DIR``:
 - ``bench.png``: ratio against target per record, and the breakdown
   (``launch/bench_plot.py``).
 
+On the console: a line per benchmark as it runs, then the records as a
+table cut to the terminal's width (``$COLUMNS``; notes shortened, whole in
+``bench.md``), and last the count of targets met and missed.
+
 The arguments of each benchmark (``PLANS``) keep the whole run under ten
 minutes on a shared 2-core machine; ``--quick`` takes smaller ones for a
 smoke run, ``--args NAME=ARGS`` replaces them, ``--only`` picks benchmarks.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,14 +46,16 @@ from pathlib import Path
 
 import msgspec
 
-from gramcoord.launch.bench import (
-    BenchRecord,
-    available,
-    format_table,
-    package_dir,
-    write_records,
+from gramcoord.launch.bench import BenchRecord, available, package_dir, write_records
+from gramcoord.launch.bench_report import (
+    BenchRun,
+    StepBreakdown,
+    breakdown_of,
+    console_table,
+    markdown,
+    shorten,
+    targets_line,
 )
-from gramcoord.launch.bench_report import BenchRun, StepBreakdown, breakdown_of, markdown
 
 # Seconds a terminated process group gets before it is killed.
 GRACE_S = 5.0
@@ -137,6 +144,11 @@ def _selection(opts: argparse.Namespace) -> dict[str, list[str]]:
         plan = PLANS.get(name, Plan())
         out[name] = given.get(name, list(plan.quick if opts.quick else plan.args))
     return out
+
+
+def _width() -> int:
+    """The console's width ($COLUMNS, else the terminal's, else 100 columns)."""
+    return max(shutil.get_terminal_size((100, 24)).columns, 40)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -265,11 +277,12 @@ def bench_all(argv: list[str], out_dir: Path) -> int:
         if left() <= 1:
             run = BenchRun(name=name, args=args, error="not run: the run's budget is spent")
         else:
-            print(f"bench all: {name} {shlex.join(args)}", flush=True)
+            print(shorten(f"bench all: {name} {shlex.join(args)}", _width()), flush=True)
             run, got = _bench_one(name, args, out_dir / name, min(timeout, left()))
             records += got
         runs.append(run)
-        print(f"  {run.error or f'records: {run.num_records}'} in {run.wall_s:.1f} s", flush=True)
+        result = run.error or f"records: {run.num_records}"
+        print(shorten(f"  {result} in {run.wall_s:.1f} s", _width()), flush=True)
     records += [BenchRecord.failed(run.name, run.error) for run in runs if run.error]
     write_records(records, out_dir)
     (out_dir / "bench_runs.json").write_bytes(
@@ -279,8 +292,10 @@ def bench_all(argv: list[str], out_dir: Path) -> int:
     from gramcoord.launch.bench_plot import plot
 
     plot(records, breakdown, out_dir / "bench.png")
-    print(format_table(records))
+    width = _width()
+    print(console_table(records, width))
     total = sum(r.wall_s for r in runs) + (breakdown.wall_s if breakdown else 0.0)
     print(f"wrote {out_dir}/bench.json, bench.md, bench.png; {total:.0f} s in children")
+    print(f"bench all: {targets_line(records)}; every record whole in bench.md")
     failed = any(r.error for r in runs) or (breakdown is not None and breakdown.error)
     return 1 if failed else 0

@@ -132,6 +132,72 @@ def records_table(records: list[BenchRecord]) -> str:
     return "\n".join(lines)
 
 
+def target_counts(records: list[BenchRecord]) -> tuple[int, int, int]:
+    """Records with a target: (met, missed, benchmarks failed)."""
+    targeted = [r for r in records if r.met is not None]
+    met = sum(1 for r in targeted if r.met)
+    failed = sum(1 for r in targeted if r.error is not None)
+    return met, len(targeted) - met - failed, failed
+
+
+def targets_line(records: list[BenchRecord]) -> str:
+    """The verdict ``gramcoord bench all`` ends with, as ``bench.md`` opens with it."""
+    met, missed, failed = target_counts(records)
+    return f"targets: {met} met, {missed} missed, {failed} benchmarks failed"
+
+
+def shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+# Widest a name or baseline cell gets on the console (bench.md has them whole).
+_NAME_W = 36
+
+
+def console_table(records: list[BenchRecord], width: int) -> str:
+    """The records as a plain table no line of which is wider than ``width``.
+
+    Names and baselines are cut at ``_NAME_W``, the note takes what is left
+    of the line (none when too little is); ``bench.md`` holds every cell whole.
+    """
+    header = ("benchmark: record", "baseline", "ours ms", "base ms", "ratio", "target", "met")
+    rows = []
+    for r in records:
+        if r.error is not None:
+            rows.append((f"{r.bench}: ERROR", "-", "-", "-", "-", "-", "NO", r.error))
+            continue
+        met = "-" if r.met is None else ("yes" if r.met else "NO")
+        rows.append(
+            (
+                f"{r.bench}: {r.name}",
+                r.baseline,
+                _ms(r.median_ms),
+                _ms(r.baseline_median_ms),
+                f"{r.ratio:.2f}x",
+                target_text(r),
+                met,
+                r.note,
+            )
+        )
+    cells = [[shorten(c, _NAME_W) for c in row[:2]] + list(row[2:7]) for row in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *cells)]
+    used = sum(widths) + 2 * len(widths)
+    note_w = width - used if width - used >= 12 else 0
+    full = (*header, "note") if note_w else header
+
+    def line(cols, note: str = "") -> str:
+        text = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+        if note_w:
+            text += "  " + shorten(note, note_w)
+        return shorten(text.rstrip(), width)
+
+    lines = [line(full[:7], full[7] if note_w else "")]
+    lines.append(shorten("  ".join("-" * w for w in widths), width))
+    lines += [line(c, row[7]) for c, row in zip(cells, rows)]
+    return "\n".join(lines)
+
+
 def runs_table(runs: list[BenchRun]) -> str:
     lines = ["| benchmark | arguments | wall s | result |", "|---|---|---:|---|"]
     for run in runs:
@@ -164,11 +230,9 @@ def markdown(
     last.
     """
     targeted = [r for r in records if r.met is not None]
-    met = [r for r in targeted if r.met]
-    missed = [r for r in targeted if not r.met and r.error is None]
-    failed = [r for r in targeted if r.error is not None]
+    met, missed, failed = target_counts(records)
     parts = [
-        f"**Targets**: {len(met)} met, {len(missed)} missed (**NO**), {len(failed)} "
+        f"**Targets**: {met} met, {missed} missed (**NO**), {failed} "
         "benchmarks failed (**ERROR**). `ratio` = baseline ms / ours ms, higher is better; "
         "each pair is measured side by side in one run.",
         "",

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
+from gramcoord.launch.bench import BenchRecord
+from gramcoord.launch.bench_report import console_table, target_counts, targets_line
 from gramcoord.launch.cli import main
 from tests.launch.entries import descendants
 
@@ -28,11 +31,24 @@ def no_strays(tmp_path, monkeypatch):
     assert descendants() - before == set()
 
 
-def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(tmp_path, no_strays):
+def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(
+    tmp_path, no_strays, capsys, monkeypatch
+):
+    monkeypatch.setenv("COLUMNS", "100")
     out = tmp_path / "out"
     argv = ["bench", "all", "--out", str(out), "--no-run", "--only", "compile,transport"]
     argv += ["--args", TINY_TRANSPORT, "--args", "compile=--repeat not-a-number"]
     assert main(argv) == 1
+    console = capsys.readouterr().out
+    # Every line fits, but the one that names the output directory.
+    assert max(len(ln) for ln in console.splitlines() if str(out) not in ln) <= 100, console
+    met, missed, failed = target_counts(
+        msgspec.json.decode((out / "bench.json").read_bytes(), type=list[BenchRecord])
+    )
+    assert failed == 1
+    assert console.splitlines()[-1].startswith(
+        f"bench all: targets: {met} met, {missed} missed, 1 benchmarks failed"
+    ), console
     records = json.loads((out / "bench.json").read_text())
     by_bench = {}
     for r in records:
@@ -74,3 +90,30 @@ def test_a_spent_budget_skips_what_is_left(tmp_path, no_strays):
     (row,) = json.loads((out / "bench.json").read_text())
     assert row["error"] == "not run: the run's budget is spent"
     assert not (out / "transport").exists()
+
+
+def _record(**kw) -> BenchRecord:
+    base = dict(name="r", baseline="b", median_ms=1.0, baseline_median_ms=2.0, ratio=2.0)
+    return BenchRecord(**{**base, **kw})
+
+
+@pytest.mark.parametrize("width", [60, 100, 200])
+def test_the_console_table_fits_the_width_and_the_verdict_counts_targets(width):
+    long_note = "a note that goes on " * 40  # 800 characters, as the real ones can be
+    records = [
+        _record(name="x" * 80, baseline="shm_ring_inplace_vs_vllm_queue" * 2, note=long_note),
+        _record(name="met", target=1.5, met=True, bench="fill", note="short"),
+        _record(name="missed", target=3.0, met=False, bench="fill"),
+        BenchRecord.failed("scale", "timed out after 240 s " + "x" * 500),
+    ]
+    text = console_table(records, width)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(records)
+    assert max(len(ln) for ln in lines) <= width, text
+    assert "fill: met" in text and "scale: ERROR" in text
+    # Notes take what the other columns leave: none at 60 columns.
+    assert ("note" in lines[0]) == (width == 200)
+    if width == 200:
+        assert "a note that goes on" in text and "short" in text
+    assert target_counts(records) == (1, 1, 1)
+    assert targets_line(records) == "targets: 1 met, 1 missed, 1 benchmarks failed"

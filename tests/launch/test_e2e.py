@@ -183,8 +183,11 @@ def test_external_launcher_matches_the_reference(tmp_path, small_workload, capfd
         str(out),
         *sets(*FAST),
     ]
-    proc = run_cmd(argv, timeout=180, cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    proc = run_cmd(argv, timeout=180, cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "COLUMNS": "1000"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Rank 0 prints what `gramcoord run` prints, once, and where the outputs are.
+    assert squash(proc.stdout).count("gramcoord run: ") == 1, proc.stdout
+    assert f"gramcoord: wrote {out}/outputs.jsonl" in proc.stdout, proc.stdout
     _, summary = check_run_dir(out, small_workload, world=2)
     assert summary["config"]["launcher"] == "external"
     assert summary["config"]["parallel"]["requests"] == "replicated"
@@ -315,6 +318,7 @@ def test_flipped_mask_bit_exits_3_naming_rank_request_position(
         "faults.flip_mask_bit.step=2",
     )
     assert rc == 3, text
+    assert "Traceback" not in text, text  # the cause in a line; tracebacks in logs/
     # Caught at once, not at a timeout.
     assert time.monotonic() - start < 120
     assert re.search(r"rank(?:s|\(s\))? \[1\]", text), text
