@@ -28,13 +28,18 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from gramcoord.launch import stacks
 
 __all__ = [
     "ProcGroup",
@@ -196,7 +201,9 @@ class ProcGroup:
         self.close()
 
 
-def _child(target, rank, nprocs, args, results) -> None:
+def _child(target, rank, nprocs, args, results, stack_path=None) -> None:
+    if stack_path is not None:
+        stacks.arm(stack_path)
     try:
         value = resolve(target)(rank, nprocs, *args)
         results.put(ProcResult(rank, True, value, finished_at=time.time()))
@@ -222,6 +229,29 @@ def _drain(results_q, results: dict[int, ProcResult]) -> None:
         results[r.rank] = r
 
 
+def _deadline_reason(
+    timeout: float,
+    procs: Sequence[mp.process.BaseProcess],
+    results: dict[int, ProcResult],
+    stack_paths: dict[int, Path],
+) -> str:
+    """Name every rank still running at the deadline and what it waits in.
+
+    Each such rank's stack dump becomes its ``ProcResult.traceback``, so a
+    slow machine (a rank deep in a compile) can be told from a hang (a rank
+    blocked in a collective its peer never entered).
+    """
+    live = {i: p.pid for i, p in enumerate(procs) if i not in results and p.is_alive()}
+    texts = stacks.dump(live, stack_paths)
+    lines = [f"deadline of {timeout:.0f}s passed"]
+    for rank, text in texts.items():
+        lines.append(f"  rank {rank} {stacks.waiting_in(text)}")
+        results[rank] = ProcResult(rank, False, error_type="timeout", traceback=text)
+    if len(lines) == 1:
+        lines.append("  (no rank was still running)")
+    return "\n".join(lines)
+
+
 def run_procs(
     target: Callable[..., Any] | str,
     nprocs: int,
@@ -243,14 +273,17 @@ def run_procs(
     results: dict[int, ProcResult] = {}
     reason = ""
     deadline = time.monotonic() + timeout
+    stack_dir = Path(tempfile.mkdtemp(prefix="gramcoord-stacks-"))
+    stack_paths = {r: stack_dir / f"rank{r}.txt" for r in range(nprocs)}
     try:
         for r in range(nprocs):
-            group.start(_child, target, r, nprocs, args, results_q)
+            group.start(_child, target, r, nprocs, args, results_q, stack_paths[r])
         procs = group.started
         while len(results) < nprocs:
             left = deadline - time.monotonic()
             if left <= 0:
-                reason = f"deadline of {timeout:.0f}s passed"
+                _drain(results_q, results)
+                reason = _deadline_reason(timeout, procs, results, stack_paths)
                 break
             try:
                 r = results_q.get(timeout=min(0.2, left))
@@ -272,6 +305,7 @@ def run_procs(
         group.close()
         results_q.close()
         results_q.join_thread()
+        shutil.rmtree(stack_dir, ignore_errors=True)
     for i, p in enumerate(group.started):
         r = results.setdefault(i, ProcResult(i, False, error_type="timeout"))
         r.exitcode = p.exitcode if p.pid is not None else None

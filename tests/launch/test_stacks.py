@@ -1,0 +1,67 @@
+"""A deadline that passes names each rank still running and what it waits in."""
+
+from __future__ import annotations
+
+import select
+import time
+
+from gramcoord.launch import stacks
+from gramcoord.launch.procs import ProcGroup, run_procs
+
+
+def _blocked_in_select(ready, path):
+    stacks.arm(path)
+    r, _w = __import__("os").pipe()
+    ready.set()
+    select.select([r], [], [])  # never readable: the "collective" nobody joins
+
+
+def _blocked_forever(rank, n):
+    while True:
+        time.sleep(1)
+
+
+def test_dump_names_the_blocking_call_and_our_frame(tmp_path):
+    path = tmp_path / "rank0.txt"
+    with ProcGroup() as group:
+        ready = group.event()
+        proc = group.start(_blocked_in_select, ready, str(path))
+        assert ready.wait(120)
+        # The event is set just before the call: until the child is inside
+        # select, a dump may catch it in Event.set. Wait for that state (a
+        # condition that must come, not a timing bet); then the innermost
+        # Python frame is the function blocked in (C) select.
+        end = time.monotonic() + 120
+        line = ""
+        while not line.startswith("waiting in _blocked_in_select") and time.monotonic() < end:
+            line = stacks.waiting_in(stacks.dump({0: proc.pid}, {0: path})[0])
+    assert line.startswith("waiting in _blocked_in_select (tests/launch/test_stacks.py:")
+
+
+def test_waiting_in_reads_the_current_thread_of_a_faulthandler_dump():
+    text = (
+        "Thread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/x/lib/python3.11/threading.py", line 320 in wait\n'
+        "\n"
+        "Current thread 0x00007f0000000002 (most recent call first):\n"
+        '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 3950 in all_gather\n'
+        '  File "/r/main/coordinator/agreement.py", line 118 in _exchange\n'
+        '  File "/r/main/launch/procs.py", line 210 in _child\n'
+    )
+    assert stacks.waiting_in(text) == (
+        "waiting in all_gather (torch/distributed/distributed_c10d.py:3950)"
+        " from coordinator/agreement.py:118 in _exchange"
+    )
+    assert stacks.waiting_in("") == "no stack (it did not answer the dump signal)"
+
+
+def test_run_procs_deadline_lists_every_rank_still_running():
+    results = run_procs(_blocked_forever, 2, timeout=3, check=False)
+    assert [r.error_type for r in results] == ["timeout", "timeout"]
+    try:
+        run_procs(_blocked_forever, 2, timeout=3)
+    except Exception as exc:  # SpawnError
+        text = str(exc)
+    head = text.splitlines()[:3]
+    assert head[0] == "deadline of 3s passed"
+    assert head[1].startswith("  rank 0 ") and head[2].startswith("  rank 1 ")
