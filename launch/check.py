@@ -2,7 +2,13 @@
 
 Each record gets one JSON line: ``{"id", "status": ok|invalid|timeout|
 saturated|unconstrained, "code", "message", "warnings", "compile_ms", "cache"}``, in input
-order. A bad record becomes an ``invalid`` line; nothing stops the run.
+order. A spec that fails becomes an ``invalid`` line; nothing stops the
+run. A workload whose records have the wrong shape is refused whole, before
+anything compiles (``launch/workload.py``; the command exits 2).
+
+xgrammar's C++ messages go to ``native-rank0.log``: beside ``--out FILE``
+(in FILE's folder), or, when the lines go to stdout, in a fresh temporary
+folder. An empty log is removed; a non-empty one is named on stderr.
 
 Requests rejected with ``grammar_pool_saturated`` were never compiled, so
 their verdict says nothing about the spec: check re-submits them once no
@@ -13,8 +19,10 @@ so the loop terminates.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gramcoord.launch.config import ClusterConfig
-from gramcoord.launch.workload import WorkloadRecord, read_workload
+from gramcoord.launch.workload import WorkloadRecord, load_workload
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.native_log import native_stderr_redirected
@@ -122,7 +130,7 @@ def run_check(
     """Compile every record of ``workload`` and write one line per record."""
     console = console or Console(stderr=True)
     t0 = time.perf_counter()
-    records = list(read_workload(workload, config.workload.limit))
+    records = load_workload(workload, config.workload.limit)
     manager = GrammarManager(config.grammar, load_tokenizer(config.tokenizer))
     results: dict[int, CheckLine] = {}
     live: dict[str, WorkloadRecord] = {}
@@ -203,9 +211,14 @@ def run_check(
 
 
 def main_check(config: ClusterConfig, workload: str, out_path: str | None) -> int:
+    """``gramcoord check``: lines to ``out_path`` (or stdout), the table to stderr."""
     # xgrammar's C++ warnings go to a log file, not the console; the ones a
     # request can own are in its line's warnings already.
-    logs = Path(config.output.dir) / "logs"
+    logs = (
+        Path(out_path).resolve().parent
+        if out_path
+        else Path(tempfile.mkdtemp(prefix="gramcoord-check-"))
+    )
     with native_stderr_redirected(logs, 0) as native:
         if out_path:
             with open(out_path, "wb") as out:
@@ -214,4 +227,8 @@ def main_check(config: ClusterConfig, workload: str, out_path: str | None) -> in
             run_check(config, workload, sys.stdout.buffer)
     if native.stat().st_size:
         print(f"native library messages: {native}", file=sys.stderr)
+    elif out_path:
+        native.unlink()
+    else:
+        shutil.rmtree(logs)
     return 0

@@ -8,13 +8,21 @@ import sys
 from pathlib import Path
 
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
+from gramcoord.launch.report import command_started
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, positional: bool) -> None:
     if positional:
         p.add_argument("config", help="cluster YAML, e.g. configs/local.yaml")
-    p.add_argument("--workload", help="JSONL workload (default: the config's workload.path)")
-    p.add_argument("--out", help="output directory (default: the config's output.dir)")
+    p.add_argument(
+        "--workload",
+        help="JSONL workload, relative to the working directory (default: the config's "
+        "workload.path, relative to the config file)",
+    )
+    p.add_argument(
+        "--out",
+        help="output directory (default: the config's output.dir, from the working directory)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -40,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="compile a workload's specs on one process")
     check.add_argument("workload", nargs="?", help="JSONL workload (default: the config's)")
     check.add_argument("--config", help="cluster YAML (default: built-in defaults)")
-    check.add_argument("--out", help="per-record JSONL output (default: stdout)")
+    check.add_argument(
+        "--out", help="per-record JSONL output, native log beside it (default: stdout)"
+    )
     check.add_argument(
         "--set",
         dest="overrides",
@@ -86,7 +96,32 @@ def _load(args) -> ClusterConfig:
     return load_config(path, args.overrides)
 
 
+def _workload(args, config: ClusterConfig) -> str:
+    """--workload from the working directory, else the config's (already absolute)."""
+    return str(Path(args.workload).resolve()) if args.workload else config.workload.path
+
+
+def _workload_problem(config: ClusterConfig, workload: str) -> str | None:
+    """A missing workload file, or records of the wrong shape: the run fails (exit 2)."""
+    from gramcoord.launch.workload import WorkloadError, load_workload
+
+    for what, path in (("workload", workload), ("workload.mix_path", config.workload.mix_path)):
+        if not path:
+            continue
+        if not Path(path).is_file():
+            return f"{what} {path} not found"
+        try:
+            load_workload(path)
+        except WorkloadError as exc:
+            return f"bad {what}: {exc}"
+        except (OSError, EOFError) as exc:
+            return f"{what} {path}: cannot read it: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    # A run's headline time counts from here: start-up included.
+    command_started()
     args, extra = _parser().parse_known_args(argv)
     if extra and args.command != "bench":
         _parser().error(f"unrecognized arguments: {' '.join(extra)}")
@@ -110,22 +145,23 @@ def main(argv: list[str] | None = None) -> int:
 
         print(msgspec.json.format(msgspec.json.encode(config), indent=2).decode())
         return 0
+    if args.command in ("run", "verify", "check"):
+        workload = _workload(args, config)
+        problem = _workload_problem(config, workload)
+        if problem:
+            print(f"gramcoord: {problem}", file=sys.stderr)
+            return 2
     if args.command in ("run", "verify"):
         from rich.console import Console
 
         from gramcoord.launch.run import main_run, main_verify
 
-        workload = args.workload or config.workload.path
         out_dir = Path(args.out or config.output.dir)
         fn = main_run if args.command == "run" else main_verify
         return fn(config, workload, out_dir, Console())
     if args.command == "check":
         from gramcoord.launch.check import main_check
 
-        workload = args.workload or config.workload.path
-        if not Path(workload).is_file():
-            print(f"gramcoord: workload {workload} not found", file=sys.stderr)
-            return 2
         return main_check(config, workload, args.out)
     if args.command == "bench":
         rest = [a for a in extra if a != "--"] + (["--help"] if args.help else [])

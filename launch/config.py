@@ -7,6 +7,8 @@ its path (``$.grammar.compile_timeout_s``) before any process starts.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,8 +35,10 @@ class ConfigError(ValueError):
 
 class WorkloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # JSONL workload (vLLM-style records, or the dev-data records as they
-    # are); a relative path is taken from the working directory.
-    path: str = "configs/workload.jsonl"
+    # are). Empty = the one shipped with gramcoord (configs/workload.jsonl of
+    # the package). A relative path in a config file is taken from the
+    # file's folder; one given with --set, from the working directory.
+    path: str = ""
     # Use at most this many records (0 = all).
     limit: Annotated[int, Meta(ge=0)] = 0
     # "all": every request arrives at step 0. "per_step": ``per_step``
@@ -45,7 +49,7 @@ class WorkloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Read the file this many times (ids get a "#pass" suffix): a soak.
     repeat: Annotated[int, Meta(ge=1)] = 1
     # A second JSONL (.jsonl.gz too) mixed into the stream, cycled: e.g. the
-    # hostile corpus. Empty = none.
+    # hostile corpus. Empty = none. Relative paths as for path.
     mix_path: str = ""
     # One mix_path record after every mix_every - 1 records of path.
     mix_every: Annotated[int, Meta(ge=2)] = 10
@@ -59,7 +63,9 @@ class WorkloadConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 class OutputConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # Directory for outputs.jsonl, summary.json, digests.jsonl and logs/.
+    # Directory for outputs.jsonl, summary.json, digests.jsonl and logs/; a
+    # relative path is taken from the working directory (outputs go where
+    # the command runs, wherever the config file is).
     dir: str = "runs/local"
 
 
@@ -105,6 +111,14 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             )
 
 
+# NOTE: the configs folder sits beside this package's folder both in a
+# checkout (configs/, launch/) and installed (gramcoord/configs/,
+# gramcoord/launch/): pyproject.toml ships it as gramcoord.configs.
+SHIPPED_WORKLOAD = Path(__file__).resolve().parents[1] / "configs" / "workload.jsonl"
+# Config fields that hold input paths (resolved as WorkloadConfig.path says).
+_INPUT_PATHS = (("workload", "path"), ("workload", "mix_path"))
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply one ``a.b.c=value`` override; the value is parsed as YAML."""
     path, sep, raw = assignment.partition("=")
@@ -123,19 +137,65 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         raise ConfigError(f"--set {path}: cannot parse {raw!r}: {exc}") from exc
 
 
+def _resolve_inputs(data: dict[str, Any], base: Path) -> None:
+    """Relative input paths in ``data`` become paths under ``base``."""
+    for section, key in _INPUT_PATHS:
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            node[key] = os.path.normpath(base / value)
+
+
+def _choices(field_path: list[str]) -> tuple[Any, ...] | None:
+    """The values a ``Literal`` field at ``field_path`` accepts, if it is one."""
+    info: Any = msgspec.inspect.type_info(ClusterConfig)
+    for name in field_path:
+        fields = {f.name: f.type for f in getattr(info, "fields", ())}
+        if name not in fields:
+            return None
+        info = fields[name]
+    return tuple(info.values) if isinstance(info, msgspec.inspect.LiteralType) else None
+
+
+def _explain(exc: msgspec.ValidationError, path: Path | None, overrides: list[str]) -> str:
+    """The error, its choices if it is an enum, blamed on a --set or the file."""
+    text = str(exc)
+    what, sep, where = text.partition(" - at `")
+    field = where.rstrip("`")[2:].split(".") if sep and where.startswith("$.") else []
+    unknown = re.match(r"Object contains unknown field `(.*)`", what)
+    if unknown:
+        field.append(unknown.group(1))
+    choices = _choices(field) if what.startswith("Invalid enum value") else None
+    if choices:
+        text += f"; choose one of: {', '.join(str(c) for c in choices)}"
+    dotted = ".".join(field)
+    for item in reversed(overrides):
+        key = item.partition("=")[0].strip()
+        if dotted and (dotted == key or dotted.startswith(key + ".")):
+            return f"--set {item}: {text}"
+    return f"{path}: {text}" if path is not None else text
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ClusterConfig:
     """Read a YAML config (or the defaults), apply overrides, validate.
+
+    Relative input paths (``workload.path``, ``workload.mix_path``) in the
+    file are taken from its folder, those given with ``--set`` from the
+    working directory; both come back absolute. An empty ``workload.path``
+    becomes the shipped workload.
 
     Raises
     ------
     ConfigError
         Unreadable YAML, unknown field, wrong type or cross-field conflict;
-        the message names the field path.
+        the message names the field path (an enum's choices too) and blames
+        the ``--set`` that set it, or the file.
     """
     data: dict[str, Any] = {}
-    if path is not None:
+    file = Path(path) if path is not None else None
+    if file is not None:
         try:
-            text = Path(path).read_text()
+            text = file.read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
         try:
@@ -144,10 +204,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Cl
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
+        _resolve_inputs(data, file.resolve().parent)
     for item in overrides:
         apply_override(data, item)
+    _resolve_inputs(data, Path.cwd())
     try:
-        return msgspec.convert(data, ClusterConfig)
+        config = msgspec.convert(data, ClusterConfig)
     except msgspec.ValidationError as exc:
-        where = f"{path}: " if path else ""
-        raise ConfigError(f"{where}{exc}") from exc
+        raise ConfigError(_explain(exc, file, list(overrides))) from exc
+    if not config.workload.path:
+        workload = msgspec.structs.replace(config.workload, path=str(SHIPPED_WORKLOAD))
+        config = msgspec.structs.replace(config, workload=workload)
+    return config

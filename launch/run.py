@@ -36,7 +36,7 @@ from gramcoord.launch.progress import watch_progress
 from gramcoord.launch.rank_main import ENTRY, RankJob
 from gramcoord.launch.report import summary_table
 from gramcoord.launch.resources import RUN_ID_ENV, collect
-from gramcoord.launch.summary import Summary, write_summary
+from gramcoord.launch.summary import Determinism, Summary, write_summary
 
 EXIT_OK, EXIT_INFRA, EXIT_CONFIG, EXIT_DETERMINISM = 0, 1, 2, 3
 _DETERMINISM_ERRORS = ("DeterminismError", "DeterminismMismatch")
@@ -202,11 +202,13 @@ LOAD_DEPENDENT = ("grammar_timeout", "grammar_pool_saturated", "grammar_stage_ti
 
 
 def compare_runs(topology: Path, reference: Path) -> tuple[list[str], int, int]:
-    """Differences between two run directories; plus requests and rows compared."""
+    """Differences between two run directories; plus requests and rows compared
+    (requests left out for a compile deadline do not count)."""
     out_a, dig_a = _load(topology)
     out_b, dig_b = _load(reference)
     diffs: list[str] = []
     rows = 0
+    skipped = 0
     for rid, b in out_b.items():
         a = out_a.get(rid)
         if a is None:
@@ -214,6 +216,7 @@ def compare_runs(topology: Path, reference: Path) -> tuple[list[str], int, int]:
             continue
         codes = {(x.get("error") or {}).get("code") for x in (a, b)}
         if codes & set(LOAD_DEPENDENT):
+            skipped += 1
             continue
         if a["status"] != b["status"] or codes != {(b.get("error") or {}).get("code")}:
             diffs.append(
@@ -232,7 +235,7 @@ def compare_runs(topology: Path, reference: Path) -> tuple[list[str], int, int]:
                 break
     for rid in out_a.keys() - out_b.keys():
         diffs.append(f"request {rid!r}: missing from the reference run")
-    return diffs, len(out_b), rows
+    return diffs, len(out_b) - skipped, rows
 
 
 def main_verify(config: ClusterConfig, workload: str, out_dir: Path, console: Console) -> int:
@@ -250,13 +253,28 @@ def main_verify(config: ClusterConfig, workload: str, out_dir: Path, console: Co
         return ref.exit_code
     diffs, n, rows = compare_runs(out_dir / "topology", out_dir / "reference")
     if topo.exit_code == EXIT_DETERMINISM:
-        diffs.insert(0, "the topology run's own ranks disagree (see its summary)")
+        diffs.insert(0, _own_disagreement(topo.summary.determinism))
     if diffs:
         console.print(f"verify: {len(diffs)} difference(s); first: {diffs[0]}", markup=False)
         return EXIT_DETERMINISM
-    console.print(
-        f"verify: identical to the one-process reference: {n} requests, {rows} mask rows "
-        f"({out_dir})",
-        markup=False,
-    )
+    if n == 0:
+        verdict = "nothing compared (every request was left out for a compile deadline)"
+    elif rows == 0:
+        verdict = f"identical outputs: {n} requests; no mask rows to compare"
+    else:
+        verdict = f"identical to the one-process reference: {n} requests, {rows} mask rows"
+    console.print(f"verify: {verdict} ({out_dir})", markup=False)
     return EXIT_OK
+
+
+def _own_disagreement(det: Determinism) -> str:
+    """The first difference the topology run found among its own ranks."""
+    first = det.first
+    if not first:
+        return "the topology run's own ranks disagree (no difference recorded)"
+    m = first[0]
+    where = f"at position {m.position}" if m.position >= 0 else "in its output"
+    return (
+        f"the topology run's own ranks disagree: {m.what} of request {m.request_id!r} "
+        f"{where} on rank(s) {list(m.ranks)}"
+    )

@@ -56,8 +56,12 @@ class Summary(msgspec.Struct, kw_only=True):
     transport: dict[str, int]
     determinism: Determinism
     steps: int
+    # Seconds on rank 0 from its start (tokenizer, session, rendezvous,
+    # loop, gather); ``gramcoord run``'s headline adds the launch itself.
     wall_s: float
     config: dict[str, Any]
+    # Seconds in the step loop (the slowest rank's).
+    loop_s: float = 0.0
     # Filled by ``gramcoord run`` once every rank exited (launch/resources.py):
     # RSS at warm-up and at the end, threads left, leaked /dev/shm entries
     # and leftover processes.
@@ -174,6 +178,7 @@ def merge(
         steps=max((r.steps for r in reports), default=0),
         wall_s=round(wall_s, 3),
         config=config,
+        loop_s=max((r.wall_s for r in reports), default=0.0),
     )
     return outputs, summary
 

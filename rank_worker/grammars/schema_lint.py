@@ -15,6 +15,8 @@ One walk does three jobs:
   ``uniqueItems``, ``contains``, ``allOf`` with two or more branches,
   length bounds next to ``pattern``/``format``, and any ``format`` outside
   ``SUPPORTED_FORMATS``. These are reported.
+- **Type names.** A ``type`` that names no JSON Schema type (``"objekt"``)
+  is reported, so it fails with a clear message before xgrammar's own.
 - **References.** A ``$ref`` that is not a local JSON pointer is compiled by
   xgrammar as "anything"; it is reported as ``unconstrained_ref``. A local
   pointer that does not resolve is an error.
@@ -51,6 +53,9 @@ SUPPORTED_FORMATS = frozenset(
     }
 )
 
+# The values ``type`` may name (JSON Schema's instance types).
+JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
+
 # Keywords whose value is one schema, a list of schemas, or a map of them.
 _ONE = frozenset(
     {
@@ -81,6 +86,8 @@ class SchemaFindings:
         self.remote_refs: list[tuple[str, str]] = []
         # (json path, ref) of local pointers that do not resolve.
         self.broken_refs: list[tuple[str, str]] = []
+        # (json path, value) of ``type`` values that name no JSON Schema type.
+        self.bad_types: list[tuple[str, Any]] = []
         self.max_depth = 0
         self.max_values = 0
 
@@ -111,9 +118,13 @@ def _resolve_pointer(root: Any, ref: str) -> bool:
 
 def _lint_node(node: dict, path: str, findings: SchemaFindings, root: Any) -> None:
     types = node.get("type")
-    # Only string type names count; anything else is malformed and left to
-    # the compiler to reject.
-    type_set = {t for t in (types if isinstance(types, list) else [types]) if isinstance(t, str)}
+    # A type naming no JSON Schema type is reported; the checks below look
+    # at the string names only.
+    type_list = types if isinstance(types, list) else [types]
+    type_set = {t for t in type_list if isinstance(t, str)}
+    bad = [t for t in type_list if t not in JSON_TYPES] or ([] if type_list else [types])
+    if "type" in node and bad:
+        findings.bad_types.append((f"{path}.type", bad[0]))
     if "multipleOf" in node and type_set != {"integer"}:
         findings.ignored.append((path, "multipleOf is only enforced for type 'integer'"))
     elif "multipleOf" in node:

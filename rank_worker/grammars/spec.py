@@ -19,7 +19,7 @@ import msgspec
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
-from gramcoord.rank_worker.grammars.schema_lint import walk_schema
+from gramcoord.rank_worker.grammars.schema_lint import JSON_TYPES, walk_schema
 from gramcoord.rank_worker.grammars.schema_reach import inexact_one_ofs, unenforced_required
 
 MAX_DEPTH = 64
@@ -172,6 +172,13 @@ def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[
         raise SpecError(
             ErrorCode.spec_too_many_values,
             f"json schema has a list of {found.max_values} values; the limit is {MAX_VALUES}",
+        )
+    if found.bad_types:
+        path, value = found.bad_types[0]
+        raise SpecError(
+            ErrorCode.spec_bad_json,
+            f"json schema: {path}: {json.dumps(value)} is not a JSON Schema type; "
+            f"use one of {', '.join(JSON_TYPES)} (or a list of them)",
         )
     if found.broken_refs:
         path, ref = found.broken_refs[0]

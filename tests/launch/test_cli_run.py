@@ -372,7 +372,9 @@ def test_hostile_records_fail_alone_and_the_run_completes(tmp_path, capfd):
     assert len(recs) == len(lines)
     assert by_id["ok-1"]["status"] == "ok"
     assert by_id["bad-\\ud800"]["error"]["code"] == "record_invalid"
-    assert by_id["ok-1@line2"]["error"]["code"] == "record_invalid"
+    # Renamed after its 1-based line; the message names the first one's.
+    assert by_id["ok-1@line3"]["error"]["code"] == "record_invalid"
+    assert "repeats line 1" in by_id["ok-1@line3"]["error"]["message"]
     assert by_id["spec-é"]["error"]["code"] == "spec_bad_json"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["json_valid"]["unverifiable"] == 1
@@ -434,3 +436,21 @@ def test_the_real_probe_answers_without_a_gpu():
 
     nccl, count = cuda_devices()
     assert isinstance(nccl, bool) and count >= 0
+
+
+def test_a_badly_shaped_workload_fails_the_run_before_any_rank(tmp_path, monkeypatch, capsys):
+    """From another folder: --workload is taken from the working directory, and
+    a record's shape (here a typo and a bad max_tokens) fails the run with exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.jsonl").write_text(
+        '{"id": "a", "structured_output": {"regex": "a"}}\n{"id": "b", "prompt": "x", '
+        '"max_tokens": "lots"}\n'
+    )
+    started = []
+    monkeypatch.setattr("gramcoord.launch.run.launch", lambda *a, **k: started.append(a))
+    rc = main(["run", str(CONFIGS / "local.yaml"), "--workload", "w.jsonl", "--out", "out"])
+    assert rc == 2 and started == []
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'w.jsonl'}:1: $.structured_output: unknown field" in err
+    assert f"{tmp_path / 'w.jsonl'}:2: $.max_tokens: expected `int`" in err
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +12,13 @@ import pytest
 import xgrammar as xgr
 
 from gramcoord.launch import workload as workload_mod
-from gramcoord.launch.workload import dev_data_dir, parse_record, read_workload
+from gramcoord.launch.workload import (
+    WorkloadError,
+    dev_data_dir,
+    load_workload,
+    parse_record,
+    read_workload,
+)
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 
@@ -19,31 +27,151 @@ SHIPPED = ROOT / "configs" / "workload.jsonl"
 
 
 @pytest.mark.parametrize(
-    ("line", "constrained", "error"),
+    ("line", "constrained"),
     [
-        pytest.param('{"id": "p", "prompt": "hi", "max_tokens": 8}', False, None, id="plain"),
+        pytest.param('{"id": "p", "prompt": "hi", "max_tokens": 8}', False, id="plain"),
         pytest.param(
-            '{"id": "p", "prompt": "hi", "structured_outputs": {"regex": "a+"}}',
+            '{"id": "p", "prompt": "hi", "max_tokens": 8, "structured_outputs": {"regex": "a+"}}',
             True,
-            None,
             id="constrained",
         ),
-        # A spec with no kind is a bad spec, not an unconstrained request.
+        # A spec with no kind is a bad spec (its record fails), not an
+        # unconstrained request.
         pytest.param(
-            '{"id": "p", "prompt": "hi", "structured_outputs": {}}', True, None, id="empty-spec"
+            '{"id": "p", "prompt": "hi", "max_tokens": 8, "structured_outputs": {}}',
+            True,
+            id="empty-spec",
         ),
-        pytest.param('{"id": "p", "prompt": ""}', True, "none of", id="blank-prompt"),
-        pytest.param('{"id": "p", "max_tokens": 8}', True, "none of", id="no-prompt"),
     ],
 )
-def test_unconstrained_records(line, constrained, error):
+def test_unconstrained_records(line, constrained):
     rec = parse_record(0, line)
-    assert rec.constrained is constrained
-    assert (rec.error is None) == (error is None)
-    if error:
-        assert error in rec.error
+    assert rec.constrained is constrained and rec.error is None
+    assert rec.prompt == "hi" and rec.max_tokens == 8
     if not constrained:
-        assert rec.spec is None and rec.prompt == "hi" and rec.max_tokens == 8
+        assert rec.spec is None
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        pytest.param(
+            '{"id": "p", "structured_output": {"regex": "a"}}',
+            "$.structured_output: unknown field (did you mean `structured_outputs`?)",
+            id="typo-structured_output",
+        ),
+        pytest.param(
+            '{"prompt": "hi", "max_tokens": "lots"}',
+            "$.max_tokens: expected `int`, got `str`",
+            id="max_tokens-str",
+        ),
+        pytest.param(
+            '{"prompt": "hi", "max_tokens": 0}',
+            "$.max_tokens: expected `int` >= 1",
+            id="max_tokens-0",
+        ),
+        pytest.param('{"id": 7, "prompt": "hi"}', "$.id: expected `str`, got `int`", id="id-int"),
+        pytest.param('{"prompt": ["hi"]}', "$.prompt: expected `str`", id="prompt-list"),
+        pytest.param(
+            '{"schema": {}, "instances": [{"valid": "yes", "data": 1}]}',
+            "$.instances[0].valid: expected `bool`",
+            id="instance-valid-str",
+        ),
+        pytest.param("{nope", "not JSON", id="not-json"),
+        pytest.param("[1]", "$: expected `object`, got `array`", id="not-object"),
+        pytest.param(
+            '{"id": "p", "prompt": ""}', "no structured_outputs, schema or regex", id="blank-prompt"
+        ),
+        pytest.param(
+            '{"id": "p", "max_tokens": 8}', "no structured_outputs, schema or regex", id="no-prompt"
+        ),
+        pytest.param(
+            '{"schema": {}, "structured_outputs": {"regex": "a"}}',
+            "set one of structured_outputs, schema",
+            id="two-specs",
+        ),
+    ],
+)
+def test_shape_errors_name_the_file_line_and_field(line, needle):
+    with pytest.raises(WorkloadError) as info:
+        parse_record(3, line, source="w.jsonl")
+    assert str(info.value).startswith("w.jsonl:4: ")
+    assert needle in str(info.value)
+
+
+def test_load_workload_lists_the_first_errors_by_1_based_line(tmp_path):
+    path = tmp_path / "w.jsonl"
+    bad = [f'{{"id": "b{i}", "structured_output": {{}}}}' for i in range(7)]
+    path.write_text('{"prompt": "ok"}\n\n' + "\n".join(bad) + "\n")
+    with pytest.raises(WorkloadError) as info:
+        load_workload(path)
+    text = str(info.value)
+    assert text.startswith("7 records of the wrong shape:")
+    # Blank lines count: the first bad record is on line 3.
+    assert f"{path}:3: $.structured_output" in text and f"{path}:7:" in text
+    assert f"{path}:8:" not in text and "(+2 more)" in text
+    assert len(info.value.problems) == 7
+
+
+def test_empty_workload_fails(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(WorkloadError, match="no records"):
+        load_workload(path)
+
+
+def test_default_ids_are_1_based_lines_and_repeats_fail_alone(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"id": "x", "prompt": "b"}\n{"id": "x", "prompt": "c"}\n')
+    recs = load_workload(path)
+    assert [(r.id, r.line, r.index) for r in recs] == [
+        ("line-1", 1, 0),
+        ("x", 3, 1),
+        ("x@line4", 4, 2),
+    ]
+    assert recs[1].error is None and recs[2].error == "request id 'x' repeats line 3"
+
+
+def test_a_line_too_deep_to_parse_fails_alone():
+    # Hostile content, not a typo: the record fails (record_invalid), the run goes on.
+    line = '{"id": "deep", "structured_outputs": {"json": ' + "[" * 5000 + "]" * 5000 + "}}"
+    rec = parse_record(4, line, source="w.jsonl")
+    assert rec.id == "line-5" and "w.jsonl:5: nested deeper" in rec.error
+
+
+def _data_files() -> list[Path]:
+    shared = ROOT.parent / "shared" / "data"
+    files = [ROOT / "tests" / "data" / n for n in ("schemas-dev.jsonl", "regexes-dev.jsonl")]
+    files += [shared / n for n in ("schemas-dev.jsonl", "regexes-dev.jsonl")]
+    return [f for f in files if f.is_file()] + [SHIPPED]
+
+
+@pytest.mark.parametrize("path", _data_files(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_dev_data_records_are_accepted_as_they_are(path):
+    recs = load_workload(path)
+    assert recs and all(r.error is None for r in recs)
+    if "schemas" in path.name:
+        assert all("json" in r.spec for r in recs) and any(r.reference for r in recs)
+    if "regexes" in path.name:
+        assert all(isinstance(r.spec["regex"], str) for r in recs)
+
+
+def test_hostile_corpus_decodes_and_only_the_deepest_line_fails_alone():
+    recs = load_workload(ROOT / "tests" / "data" / "hostile" / "hostile.jsonl.gz")
+    assert len(recs) >= 90
+    assert [r.id for r in recs if r.error] == ["line-5"]
+
+
+def test_make_workload_output_decodes(tmp_path):
+    out = tmp_path / "w.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "configs" / "make_workload.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(load_workload(out)) == len(load_workload(SHIPPED))
 
 
 def _kind(raw: dict) -> str:

@@ -293,15 +293,27 @@ def test_fuzzed_specs_only_raise_spec_error(spec):
 
 
 @pytest.mark.parametrize(
-    "schema",
+    ("schema", "where", "value"),
     [
-        pytest.param({"type": [{}]}, id="type-list-of-object"),
-        pytest.param({"type": {"a": 1}}, id="type-object"),
+        pytest.param({"type": "objekt"}, "$.type", '"objekt"', id="typo"),
+        pytest.param({"type": ["string", "objekt"]}, "$.type", '"objekt"', id="typo-in-list"),
+        pytest.param(
+            {"properties": {"a": {"type": "strin"}}}, "$.properties.a.type", '"strin"', id="nested"
+        ),
+        pytest.param({"type": [{}]}, "$.type", "{}", id="type-list-of-object"),
+        pytest.param({"type": {"a": 1}}, "$.type", '{"a": 1}', id="type-object"),
+        pytest.param({"type": []}, "$.type", "[]", id="type-empty-list"),
     ],
 )
-def test_malformed_type_is_left_to_the_compiler(schema):
-    # Not a crash at validation: the compiler rejects it as grammar_invalid.
-    assert validate_spec({"json": schema}, CFG).kind == "json"
+def test_bad_type_name_fails_before_the_compiler(schema, where, value):
+    # Refused at validation with a message naming the field and the choices,
+    # never xgrammar's raw RuntimeError text at compile.
+    with pytest.raises(SpecError) as info:
+        validate_spec({"json": schema}, CFG)
+    assert info.value.code == ErrorCode.spec_bad_json
+    msg = str(info.value)
+    assert f"{where}: {value} is not a JSON Schema type" in msg and "integer, null" in msg
+    assert "RuntimeError" not in msg
 
 
 def test_structural_tag_keeps_property_order():
