@@ -37,6 +37,7 @@ from gramcoord.launch.rank_main import ENTRY, RankJob
 from gramcoord.launch.report import summary_table
 from gramcoord.launch.resources import RUN_ID_ENV, collect
 from gramcoord.launch.summary import Determinism, Summary, write_summary
+from gramcoord.rank_worker.engine.hf_checks import check_hf_model
 
 EXIT_OK, EXIT_INFRA, EXIT_CONFIG, EXIT_DETERMINISM = 0, 1, 2, 3
 _DETERMINISM_ERRORS = ("DeterminismError", "DeterminismMismatch")
@@ -58,6 +59,8 @@ def check_inputs(config: ClusterConfig, workload: str) -> str | None:
         return f"workload.mix_path {mix} not found"
     if config.model.kind == "hf" and not Path(config.model.path or "").is_dir():
         return f"model.path {config.model.path} is not a directory"
+    if problem := check_hf_model(config.model, config.tokenizer):
+        return problem
     if config.launcher == "external":
         return (
             "launcher 'external' means your own launcher starts the ranks: run "

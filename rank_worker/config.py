@@ -120,10 +120,28 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     path: str | None = None
     # Seed of the synthetic logits.
     seed: int = 0
+    # Where the hf model runs: "cpu", "cuda" or "cuda:N" (every rank uses
+    # this device). A cuda device without CUDA fails before any rank starts.
+    device: str = "cpu"
+    # Precision of the hf model's weights; "auto" takes the checkpoint's own.
+    # Logits are float32 whatever it is. float32 on cpu is the tested,
+    # bit-reproducible default.
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    # Keep each hf request's KV cache between steps (rolled back to the
+    # common prefix after retokenization or rejected drafts); false
+    # recomputes prompt + output at every step.
+    kv_cache: bool = True
+    # Wrap each prompt in the hf tokenizer's chat template (one user turn,
+    # add_generation_prompt); needs tokenizer.name "hf" with a chat template.
+    chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.kind == "hf" and not self.path:
             raise ValueError("model.path is required when model.kind is 'hf'")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"model.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.chat_template and self.kind != "hf":
+            raise ValueError("model.chat_template is only used when model.kind is 'hf'")
 
 
 class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

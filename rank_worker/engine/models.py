@@ -11,10 +11,10 @@ padded vocabulary). The step loop masks those rows and samples from them.
   reference instance it follows the reference to the stop token; without
   one, or off it, it prefers closing punctuation and the stop token, so
   generation ends.
-- :class:`HFModel` runs a local Hugging Face causal LM (the ``hf`` extra) on
-  ``prompt + output`` token ids, as a real engine would.
-  :func:`build_tiny_qwen2` builds a random-weight Qwen2-shaped model in
-  process, so tests need no download.
+- :class:`HFModel` (``hf_model``) runs a local Hugging Face causal LM (the
+  ``hf`` extra) on ``prompt + output`` token ids, as a real engine would,
+  with a per-request KV cache. :func:`build_tiny_qwen2` builds a
+  random-weight Qwen2-shaped model in process, so tests need no download.
 
 :func:`make_model` picks the source a :class:`ModelConfig` names.
 """
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
-import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -33,7 +31,19 @@ import numpy as np
 import torch
 
 from gramcoord.rank_worker.config import ModelConfig
+from gramcoord.rank_worker.engine.hf_checks import chat_template, tokenizer_ids
+from gramcoord.rank_worker.engine.hf_model import DTYPES, HFModel, build_tiny_qwen2
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+
+__all__ = [
+    "HFModel",
+    "LogitsSource",
+    "ModelRequest",
+    "SyntheticModel",
+    "build_tiny_qwen2",
+    "make_model",
+    "vocab_index",
+]
 
 
 class ModelRequest(msgspec.Struct, frozen=True):
@@ -235,176 +245,42 @@ class SyntheticModel:
 
 
 # ---------------------------------------------------------------------------
-# Hugging Face model
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ImportError(
-            "model.kind 'hf' needs transformers: install the 'hf' extra "
-            "(pip install 'gramcoord[hf]')"
-        ) from exc
-    return transformers
-
-
-class HFModel:
-    """A local Hugging Face causal LM as a logits source.
-
-    Each row's input is ``prompt_ids + output ids``, and only the last
-    position's logits are computed. A row with no tokens at all is fed the
-    model's BOS (or EOS, or id 0) so it still has logits.
-
-    By default each row runs in its own forward pass, so a row's logits
-    depend only on its tokens, never on the other rows of the call (a
-    padded batch changes the kernels' shapes and so the last bits of the
-    logits, which can flip a near-tie between a multi-rank run and the
-    one-process reference). ``batch_rows=True`` instead batches rows with
-    left padding, an attention mask and matching position ids: faster,
-    equal up to float rounding.
-
-    Parameters
-    ----------
-    path_or_model:
-        A local model directory (loaded with ``local_files_only=True``;
-        nothing is downloaded) or an already-built model object (moved to
-        ``device`` / ``dtype`` in place, as ``Module.to`` does).
-    device, dtype:
-        Where and in what precision the model runs. Logits come back as
-        float32 on ``device``.
-    vocab_size:
-        Width of the returned rows (the tokenizer's padded vocabulary);
-        the model's rows are truncated, or padded with ``-inf``. ``None``:
-        the model's own vocabulary size.
-    batch_rows:
-        Batch a call's rows into padded forward passes (see above).
-    max_batch_tokens:
-        Padded tokens per forward pass when batching; larger calls run in
-        several passes.
-    """
-
-    def __init__(
-        self,
-        path_or_model: str | os.PathLike[str] | Any,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        vocab_size: int | None = None,
-        batch_rows: bool = False,
-        max_batch_tokens: int = 65536,
-    ) -> None:
-        if isinstance(path_or_model, (str, os.PathLike)):
-            transformers = _transformers()
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                os.fspath(path_or_model), local_files_only=True
-            )
-        else:
-            model = path_or_model
-        self.model = model.to(device=device, dtype=dtype).eval()
-        _align_parameters(self.model)
-        self.device = torch.device(device)
-        config = self.model.config
-        self.vocab_size = int(vocab_size or config.vocab_size)
-        self.batch_rows = batch_rows
-        self.max_batch_tokens = max_batch_tokens
-        start = next(
-            (t for t in (config.bos_token_id, config.eos_token_id) if isinstance(t, int)), 0
-        )
-        self._empty = [start]
-        self._pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
-        params = inspect.signature(self.model.forward).parameters
-        self._keep = next(
-            ({k: 1} for k in ("logits_to_keep", "num_logits_to_keep") if k in params), {}
-        )
-
-    def logits(self, rows: Sequence[tuple[ModelRequest, Sequence[int]]]) -> torch.Tensor:
-        """``float32[len(rows), vocab_size]`` on ``device``; see :class:`LogitsSource`."""
-        contexts = [[*req.prompt_ids, *ids] or self._empty for req, ids in rows]
-        out = torch.full((len(rows), self.vocab_size), float("-inf"), device=self.device)
-        start = 0
-        while start < len(contexts):
-            stop = start + 1
-            longest = len(contexts[start])
-            while self.batch_rows and stop < len(contexts):
-                longest2 = max(longest, len(contexts[stop]))
-                if longest2 * (stop - start + 1) > self.max_batch_tokens:
-                    break
-                longest, stop = longest2, stop + 1
-            last = self._forward(contexts[start:stop])
-            width = min(self.vocab_size, last.shape[-1])
-            out[start:stop, :width] = last[:, :width]
-            start = stop
-        return out
-
-    def _forward(self, contexts: list[list[int]]) -> torch.Tensor:
-        n, length = len(contexts), max(len(c) for c in contexts)
-        ids = torch.full((n, length), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((n, length), dtype=torch.long)
-        for i, c in enumerate(contexts):
-            ids[i, length - len(c) :] = torch.tensor(c, dtype=torch.long)
-            mask[i, length - len(c) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        with torch.inference_mode():
-            result = self.model(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                position_ids=positions.to(self.device),
-                use_cache=False,
-                **self._keep,
-            )
-        return result.logits[:, -1, :].float()
-
-
-def _align_parameters(model: torch.nn.Module) -> None:
-    """Copy parameters and buffers that are not 64-byte aligned.
-
-    A loaded checkpoint's tensors may sit at any offset of a mapped file,
-    and BLAS takes different code paths (different last bits) for aligned
-    and unaligned operands: copying makes the logits independent of how
-    the weights were loaded. Tied parameters stay tied.
-    """
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.data_ptr() % 64:
-                tensor.data = tensor.data.clone()
-
-
-def build_tiny_qwen2(
-    path: str | os.PathLike[str] | None = None, *, vocab_size: int = 151_936, seed: int = 0
-) -> Any:
-    """A tiny random-weight ``Qwen2ForCausalLM`` (hidden 32, 2 layers).
-
-    The weights depend only on ``seed`` (the global RNG is left as it
-    was). With ``path``, the model is also saved there
-    (``save_pretrained``), so ``model.path`` can point at it.
-    """
-    transformers = _transformers()
-    config = transformers.Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-        bos_token_id=151_643 if vocab_size > 151_643 else 0,
-        eos_token_id=151_645 if vocab_size > 151_645 else 0,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen2ForCausalLM(config).eval()
-    if path is not None:
-        model.save_pretrained(os.fspath(path))
-    return model
+# make_model
 
 
 def make_model(
-    config: ModelConfig, tokenizer: Tokenizer, *, device: str | torch.device = "cpu"
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    *,
+    device: str | torch.device | None = None,
+    hf_tokenizer: Any = None,
 ) -> LogitsSource:
-    """The logits source ``config`` names, ``tokenizer.vocab_size`` wide."""
+    """The logits source ``config`` names, ``tokenizer.vocab_size`` wide.
+
+    For ``hf``: the model at ``config.path`` on ``config.device`` (or
+    ``device``) in ``config.dtype``, with a KV cache unless
+    ``config.kv_cache`` is false. ``config.chat_template`` wraps each prompt
+    in ``hf_tokenizer``'s chat template (default: the Hugging Face tokenizer
+    loaded from the path of an ``hf:<path>`` tokenizer).
+
+    Raises
+    ------
+    ValueError
+        The model has fewer embedding rows than the ids ``tokenizer``
+        produces, or ``chat_template`` is set and there is no chat template.
+    """
     if config.kind == "synthetic":
         return SyntheticModel(tokenizer, seed=config.seed)
     assert config.path is not None  # ModelConfig checks it
-    return HFModel(config.path, device=device, vocab_size=tokenizer.vocab_size)
+    template = None
+    if config.chat_template:
+        template = chat_template(tokenizer, hf_tokenizer)
+    return HFModel(
+        config.path,
+        device=device or config.device,
+        dtype=DTYPES[config.dtype],
+        vocab_size=tokenizer.vocab_size,
+        kv_cache=config.kv_cache,
+        prompt_template=template,
+        tokenizer_ids=tokenizer_ids(tokenizer),
+    )

@@ -16,11 +16,12 @@ never over the vocabulary). The mask rows are then laid out at their logit
 rows and ``xgrammar.apply_token_bitmask_inplace`` masks only those rows
 (``indices``), or every row (``indices=None``) when all are constrained.
 
-- CPU (``LogitsMasker``): a reusable aligned buffer; rows written by the
+- CPU (``LogitsMasker`` with CPU logits): a reusable aligned buffer; rows written by the
   previous call and not by this one are reset, so nothing stale survives.
   Logits that are not float32 are masked through a float32 copy of their
   constrained rows and written back in their own dtype.
-- CUDA (``apply_bitmask_cuda`` with a ``CudaMaskStaging``): mask rows and
+- CUDA (``apply_bitmask_cuda`` with a ``CudaMaskStaging``, which
+  ``LogitsMasker`` uses for CUDA logits): mask rows and
   indices go through pinned host buffers with ``non_blocking`` copies,
   the alignment is an ``index_copy_`` on the device and the indices stay a
   device tensor, so the host never waits for the GPU.
@@ -123,7 +124,12 @@ def _vocab_size(logits: torch.Tensor, width: int) -> int:
 
 
 class LogitsMasker:
-    """CPU apply with a reusable aligned bitmask buffer.
+    """Apply with a reusable aligned bitmask buffer (CPU), or staged (CUDA).
+
+    CPU logits are masked through the aligned host buffer; CUDA logits go
+    through ``apply_bitmask_cuda`` with a ``CudaMaskStaging`` made for their
+    device at the first CUDA call (pinned host slots, ``non_blocking``
+    copies, no host sync).
 
     Parameters
     ----------
@@ -138,6 +144,8 @@ class LogitsMasker:
         self._aligned = np.full((max_rows, width), -1, dtype=np.int32)
         self._aligned_t = torch.from_numpy(self._aligned)
         self._written = np.zeros(0, dtype=np.int64)
+        # CUDA logits: pinned staging per device, made at the first such call.
+        self._staging: dict[torch.device, CudaMaskStaging] = {}
 
     @property
     def aligned(self) -> np.ndarray:
@@ -153,8 +161,10 @@ class LogitsMasker:
             Logits of the wrong shape or device, more rows than
             ``max_rows``, or a bitmask of the wrong dtype or width.
         """
-        if logits.device.type != "cpu":
-            raise ValueError(f"LogitsMasker is the CPU path; logits are on {logits.device}")
+        if logits.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"LogitsMasker masks CPU or CUDA logits; logits are on {logits.device}"
+            )
         if logits.dim() != 2 or logits.shape[0] != plan.num_logit_rows:
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match the plan's "
@@ -168,6 +178,9 @@ class LogitsMasker:
                 f"{tuple(bitmask.shape)}"
             )
         vocab = _vocab_size(logits, bitmask.shape[1])
+        if logits.device.type == "cuda":
+            apply_bitmask_cuda(logits, bitmask, plan, self._staging_for(logits.device))
+            return
         # Reset what the previous step wrote, then lay this step's rows out.
         self._aligned[self._written] = -1
         self._aligned[plan.dst] = bitmask[plan.src]
@@ -186,6 +199,13 @@ class LogitsMasker:
             rows, torch.from_numpy(bitmask[plan.src]), vocab_size=vocab, indices=None
         )
         logits.index_copy_(0, dst, rows.to(logits.dtype))
+
+    def _staging_for(self, device: torch.device) -> CudaMaskStaging:
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = CudaMaskStaging(self.width, self._aligned.shape[0], device)
+            self._staging[device] = staging
+        return staging
 
 
 class CudaMaskStaging:

@@ -154,3 +154,35 @@ def test_cuda_apply_never_syncs_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_logits_on_another_device_are_rejected():
+    logits = torch.zeros(1, V, device="meta")
+    with pytest.raises(ValueError, match="CPU or CUDA"):
+        LogitsMasker(W, max_rows=2).apply(
+            logits, np.zeros((1, W), np.int32), plan_rows("a", "a", {}, 1)
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_masker_takes_cuda_logits(dtype):
+    """One LogitsMasker masks CUDA logits as it masks CPU ones, step after step
+    (stale rows included), through its own staging."""
+    on_cpu, on_cuda = LogitsMasker(W, max_rows=8), LogitsMasker(W, max_rows=8)
+    steps = [
+        (list("abc"), list("ca"), {"a": 2, "c": 1}, 2),
+        (list("abc"), list("abc"), {}, 0),
+        (list("abcd"), ["b"], {}, 0),
+        (list("ab"), [], {}, 0),
+    ]
+    for step, (batch, constrained, drafts, k) in enumerate(steps):
+        plan = plan_rows(batch, constrained, drafts, k + 1)
+        bitmask = random_bitmask(len(constrained) * (k + 1), seed=step)
+        logits = torch.randn(plan.num_logit_rows, V).to(dtype)
+        gpu = logits.cuda()
+        on_cpu.apply(logits, bitmask, plan)
+        on_cuda.apply(gpu, bitmask, plan)
+        assert gpu.device.type == "cuda" and gpu.dtype == dtype
+        torch.testing.assert_close(gpu.cpu(), logits, rtol=0, atol=0)
+    assert len(on_cuda._staging) == 1
