@@ -69,6 +69,8 @@ __all__ = ["BitmaskReceiver"]
 
 # A waiting reader wakes this often to check the deadline and the writer.
 _SLICE_S = 0.1
+# How long a reader that saw the ring closed waits for the writer's Shutdown.
+_SHUTDOWN_GRACE_S = 2.0
 _WIRE = np.dtype("<i4")
 
 # What receive() returns: the read-only view, request ids, draft counts.
@@ -339,9 +341,29 @@ class BitmaskReceiver:
 
     def _check_writer(self) -> None:
         if self._ring is not None and self._ring.writer_closed:
+            self._read_to_shutdown()
             raise ChannelClosed("the writer closed the ring", peers=["writer"])
         if self._local and not pid_alive(self._handle.pid):
             raise WriterLost(f"the writer (pid {self._handle.pid}) died", peers=["writer"])
+
+    def _read_to_shutdown(self) -> None:
+        """Read what the writer sent before it closed the ring, up to its Shutdown.
+
+        The writer sends ``Shutdown`` (with the reason, such as the leader's
+        error) before it marks the ring closed, but zmq may deliver it after
+        the flag is seen. Reading the socket in order until it comes makes
+        the error carry the reason and counts every frame sent before it, in
+        every interleaving; a writer that could not send it costs at most
+        :data:`_SHUTDOWN_GRACE_S`.
+        """
+        end = time.monotonic() + _SHUTDOWN_GRACE_S
+        while (left := end - time.monotonic()) > 0:
+            try:
+                got = self._client.recv(min(left, _SLICE_S))
+            except WriterLost:
+                return  # the connection closed with nothing left to read
+            if got is not None and isinstance(got[0], Shutdown | Bye):
+                self._take(self._last + 1, *got)  # raises with the writer's reason
 
     def _poll_ring(self, step: int, until: float) -> Received | None:
         """Busy-poll the next slot for ``step`` until ``until``; None if it did not show.

@@ -335,13 +335,17 @@ def test_garbled_frames_are_dropped_and_every_step_still_arrives(run_id, kind, s
         channel.drain()
         assert channel.corrupted == 4
         reader.close()
-    # Every garbled frame that reached the reader was counted there once. A
-    # polling reader takes steps from the ring, so it may close before the
-    # garbled announcements of its last steps come off its socket.
+    # A reader that waits on its socket reads every announcement in order, so
+    # it meets (and counts) each garbled one before the next real step. A
+    # polling reader takes steps from the ring and drains its socket only at
+    # the start of each receive: how many garbled frames it has met by then
+    # depends on when zmq delivered them, in any interleaving from none to
+    # all four. What holds in every one: all 8 steps arrived intact (above),
+    # and no good frame was counted as dropped.
     if spin_us:
-        assert 1 <= reader.dropped <= 4
+        assert 0 <= reader.dropped <= channel.corrupted
     else:
-        assert reader.dropped == 4
+        assert reader.dropped == channel.corrupted == 4
 
 
 def test_rows_filled_through_another_view_of_the_slot_are_not_copied(pair, monkeypatch):
