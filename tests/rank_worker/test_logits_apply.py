@@ -165,7 +165,7 @@ def test_logits_on_another_device_are_rejected():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_logits_masker_takes_cuda_logits(dtype):
     """One LogitsMasker masks CUDA logits as it masks CPU ones, step after step
     (stale rows included), through its own staging."""
