@@ -118,7 +118,10 @@ def test_bad_inputs_exit_2_before_any_process(
     for item in overrides:
         argv += ["--set", item]
     assert main(argv) == 2
-    out = squash(capsys.readouterr().out)
+    # The CLI's own checks write to stderr, the run's pre-start checks to
+    # the console: the line must be in one of them.
+    captured = capsys.readouterr()
+    out = squash(captured.out + captured.err)
     assert needle in out, out
     assert not (tmp_path / "out").exists()
 
