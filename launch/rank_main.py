@@ -349,4 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gramcoord.rank_worker.grammars.native_exit import exiting
+
+    # With a compile still in flight the process leaves with this status.
+    sys.exit(exiting(main()))

@@ -7,7 +7,9 @@ decides (at agreed points) what enters the compile and poison caches.
 Deadlines are wall-clock from the moment a worker starts the compile. A
 thread cannot be killed, so a compile that overruns keeps its thread: it is
 counted as *stuck*, and a spare worker takes its place so the pool keeps
-its capacity (the stuck thread exits when its compile returns). Only when
+its capacity (the stuck thread exits when its compile returns). If the
+process exits while one still runs, ``native_exit`` ends it with its own
+status before the interpreter finalizes under the compile. Only when
 ``grammar.num_stuck_compiles`` compiles are stuck at once is the pool
 *saturated*: new misses, and jobs still queued, fail at once with
 ``grammar_pool_saturated`` instead of waiting behind them.
@@ -44,6 +46,7 @@ import xgrammar as xgr
 from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
+from gramcoord.rank_worker.grammars.native_exit import native_call
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
@@ -111,7 +114,8 @@ class XGrammarBackend:
 
     def __call__(self, spec: GrammarSpec) -> Any:
         compiler = self.full if spec.needs_full_vocab else self.restricted
-        return self._by_kind[spec.kind](compiler, spec)
+        with native_call():  # see native_exit: the process may exit meanwhile
+            return self._by_kind[spec.kind](compiler, spec)
 
 
 class CompileJob:

@@ -1,0 +1,192 @@
+"""Leaving the process while a native compile is still running.
+
+A compile that overran its deadline keeps running on its daemon thread
+(``compile_service``). If the interpreter starts finalizing meanwhile,
+CPython 3.11 marks the runtime as finalizing right after the ``atexit``
+handlers, and a daemon thread that then asks for the GIL back is ended with
+``pthread_exit``. xgrammar's binding (tvm_ffi) takes the GIL back in a
+``noexcept`` destructor (``~TVMFFIPyCallContext`` -> ``PyGILState_Ensure``),
+so the forced unwind calls ``std::terminate``: "terminate called without an
+active exception", SIGABRT, exit 134, after all the work was done.
+
+So native calls are counted (``native_call``), and an ``atexit`` handler,
+registered when this module is imported (early, so it runs late), looks at
+the count. None in flight: nothing happens and the interpreter finalizes as
+usual. Some in flight: later ones are parked, open files, logging and stdio
+are flushed, and the process leaves with ``os._exit`` before finalization
+can begin, with the status it would have had:
+
+- the one given to ``exiting`` (the CLI and a rank's main pass theirs);
+- else the code of ``sys.exit``, as the interpreter read it to exit (a
+  ``SystemExit`` that is caught is never read that way);
+- else 1 for an unhandled exception (death by SIGINT for Ctrl-C);
+- else 0. ``raise SystemExit(n)`` bypasses ``sys.exit``: a host that exits
+  that way with compiles in flight should call ``exiting(n)`` first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import logging
+import os
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+_UNSET: Any = object()
+
+_lock = threading.Lock()
+_in_flight = 0
+_closing = False
+_status: int | None = None
+_exit_code: Any = _UNSET
+_hooked = False
+_parked = threading.Event()  # never set
+
+
+def in_flight() -> int:
+    """Native calls running now."""
+    return _in_flight
+
+
+@contextmanager
+def native_call() -> Iterator[None]:
+    """Count the GIL-releasing native call inside; once exit has begun a
+    thread other than the main one waits here for the process to end."""
+    global _in_flight
+    _hook_sys_exit()
+    with _lock:
+        counted = not _closing
+        if counted:
+            _in_flight += 1
+    if not counted and threading.current_thread() is not threading.main_thread():
+        _parked.wait()
+    try:
+        yield
+    finally:
+        if counted:
+            with _lock:
+                _in_flight -= 1
+
+
+def exiting(status: int) -> int:
+    """Record the status this process is about to exit with; returns it."""
+    global _status
+    _status = status
+    return status
+
+
+class _SysExit(SystemExit):
+    """What ``sys.exit`` raises here: a ``SystemExit`` that notes its code
+    when the interpreter itself reads it (no Python caller) to exit."""
+
+    @property  # type: ignore[override]
+    def code(self) -> Any:
+        global _exit_code
+        code = SystemExit.code.__get__(self)  # type: ignore[attr-defined]
+        if threading.current_thread() is threading.main_thread():
+            try:
+                sys._getframe(1)
+            except ValueError:
+                _exit_code = code
+        return code
+
+    @code.setter
+    def code(self, value: Any) -> None:
+        SystemExit.code.__set__(self, value)  # type: ignore[attr-defined]
+
+
+def _sys_exit(status: object = None, /) -> None:
+    """``sys.exit``, raising ``_SysExit`` with the same arguments."""
+    if status is None:
+        raise _SysExit()
+    if isinstance(status, tuple):
+        raise _SysExit(*status)
+    raise _SysExit(status)
+
+
+def _hook_sys_exit() -> None:
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        sys.exit = _sys_exit  # type: ignore[assignment]
+
+
+def _code_status(code: Any) -> int:
+    # As CPython maps a SystemExit code (the text was already printed).
+    if code is None:
+        return 0
+    return int(code) if isinstance(code, int) else 1
+
+
+def _unhandled() -> type[BaseException] | None:
+    """The exception that ended the main thread, if one did: the one
+    ``PyErr_Print`` left in ``sys.last_*``, raised from the stack's top."""
+    kind, tb = getattr(sys, "last_type", None), getattr(sys, "last_traceback", None)
+    if kind is None or tb is None or tb.tb_frame.f_back is not None:
+        return None
+    return kind
+
+
+def _derived_status() -> tuple[int, int]:
+    """(exit status, signal to die of or 0)."""
+    if _status is not None:
+        return _status, 0
+    if _exit_code is not _UNSET:
+        return _code_status(_exit_code), 0
+    kind = _unhandled()
+    if kind is None:
+        return 0, 0
+    if issubclass(kind, KeyboardInterrupt):  # as CPython: die of SIGINT
+        return 128 + int(signal.SIGINT), int(signal.SIGINT)
+    return 1, 0
+
+
+def _flush() -> None:
+    """What finalization would have written: files, logging, stdio."""
+    with suppress(Exception):
+        weakref.finalize._exitfunc()  # type: ignore[attr-defined]
+    for obj in gc.get_objects():
+        if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
+            with suppress(Exception):
+                if not obj.closed:
+                    obj.flush()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+def _leave(status: int, sig: int) -> None:
+    _flush()
+    if sig:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(status & 0xFF)
+
+
+def _at_exit() -> None:
+    global _closing
+    with _lock:
+        _closing = True
+        busy = _in_flight
+    if busy:
+        _leave(*_derived_status())
+
+
+def _after_fork() -> None:
+    # The child has none of the parent's threads, so none of its calls.
+    global _lock, _in_flight, _closing
+    _lock = threading.Lock()
+    _in_flight, _closing = 0, False
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork)
