@@ -67,7 +67,6 @@ class DeterminismMismatch(RuntimeError):
 def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
     """The workload's records as engine requests, in file order."""
     out = []
-    first_line: dict[str, int] = {}
     w = config.workload
     stream = stream_workload(
         path, limit=w.limit, repeat=w.repeat, mix_path=w.mix_path or None, mix_every=w.mix_every
@@ -79,11 +78,7 @@ def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
         except UnicodeEncodeError:
             rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
             error = error or "the request id does not encode as UTF-8 (lone surrogate)"
-        if rid in first_line:
-            # One output line per workload line: a repeated id gets its own.
-            error = error or f"request id {rid!r} repeats line {first_line[rid]}"
-            rid = f"{rid}@line{rec.index}"
-        first_line.setdefault(rid, rec.index)
+        # Repeated ids were renamed ``ID@lineN`` and failed by the reader.
         out.append(
             EngineRequest(
                 request_id=rid,
