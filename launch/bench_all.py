@@ -35,6 +35,7 @@ smoke run, ``--args NAME=ARGS`` replaces them, ``--only`` picks benchmarks.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shlex
 import shutil
@@ -97,7 +98,25 @@ PLANS: dict[str, Plan] = {
     "step": Plan(quick=("--limit", "8", "--rounds", "1"), timeout_s=240),
     "tp_followers": Plan(quick=("--requests", "8", "--max-tokens", "32"), timeout_s=120),
     "transport": Plan(quick=("--iters", "50", "--warmup", "5", "--rounds", "1"), timeout_s=240),
+    # Four real vLLM engines (two in-process, two TP=2 pairs): about 5 min.
+    "vllm": Plan(quick=("--quick",), timeout_s=600),
 }
+# Benchmarks that need a package the main venv lacks: (module, where it is).
+# Without it the benchmark is skipped with a note, not failed.
+NEEDS: dict[str, tuple[str, str]] = {
+    "vllm": (
+        "vllm",
+        "run it from .venv-vllm (`make venv-vllm`): .venv-vllm/bin/gramcoord bench vllm",
+    ),
+}
+
+
+def missing_need(name: str) -> str | None:
+    """Why benchmark ``name`` cannot run here, or None when it can."""
+    need = NEEDS.get(name)
+    if need is None or importlib.util.find_spec(need[0]) is not None:
+        return None
+    return f"skipped: {need[0]} is not importable here; {need[1]}"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -274,13 +293,19 @@ def bench_all(argv: list[str], out_dir: Path) -> int:
     records: list[BenchRecord] = []
     for name, args in selection.items():
         timeout = opts.timeout_s or PLANS.get(name, Plan()).timeout_s
-        if left() <= 1:
+        skip = missing_need(name)
+        if skip is not None:
+            run = BenchRun(name=name, args=args, skipped=skip)
+        elif left() <= 1:
             run = BenchRun(name=name, args=args, error="not run: the run's budget is spent")
         else:
             print(shorten(f"bench all: {name} {shlex.join(args)}", _width()), flush=True)
             run, got = _bench_one(name, args, out_dir / name, min(timeout, left()))
             records += got
         runs.append(run)
+        if run.skipped:
+            print(shorten(f"bench all: {name} {run.skipped}", _width()), flush=True)
+            continue
         result = run.error or f"records: {run.num_records}"
         print(shorten(f"  {result} in {run.wall_s:.1f} s", _width()), flush=True)
     records += [BenchRecord.failed(run.name, run.error) for run in runs if run.error]

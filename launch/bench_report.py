@@ -37,6 +37,8 @@ class BenchRun(msgspec.Struct, kw_only=True):
     exit_code: int | None = None
     num_records: int = 0
     error: str | None = None
+    # Set when it was not run because this environment cannot run it (why).
+    skipped: str | None = None
 
 
 class Phase(msgspec.Struct, frozen=True, kw_only=True):
@@ -201,7 +203,7 @@ def console_table(records: list[BenchRecord], width: int) -> str:
 def runs_table(runs: list[BenchRun]) -> str:
     lines = ["| benchmark | arguments | wall s | result |", "|---|---|---:|---|"]
     for run in runs:
-        result = run.error or _records(run.num_records)
+        result = run.error or run.skipped or _records(run.num_records)
         args = f"`{shlex.join(run.args)}`" if run.args else "(its defaults)"
         lines.append(f"| {run.name} | {_cell(args)} | {run.wall_s:.1f} | {_cell(result)} |")
     return "\n".join(lines)

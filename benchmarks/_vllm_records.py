@@ -1,0 +1,129 @@
+"""The records of ``gramcoord bench vllm``, from its children's JSON (no vLLM import).
+
+Kept apart from the children so the report's shape is tested without an
+engine (``tests/launch/test_bench_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from gramcoord.launch.bench import BenchRecord
+
+# Parts of the engine step reported, in the order of a step.
+PARTS = (
+    "schedule",
+    "forward",
+    "grammar_bitmask",
+    "sample_tokens",
+    "apply_grammar_bitmask",
+    "update_from_output",
+)
+STEP_TARGET = 1.0
+HOL_TARGET = 5.0
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(1 for x, y in zip(a, b) if x == y)
+
+
+def step_records(xg: dict, gc: dict) -> list[BenchRecord]:
+    """Engine step: gramcoord vs xgrammar, constrained vs plain, and the breakdown."""
+    size = f"{gc['requests']} requests x {gc['max_tokens']} tokens, {gc['repeat']} rounds"
+    same = _same(gc["outputs"], xg["outputs"])
+    step = {
+        (b, phase): _median(run["samples"][phase].get("step", []))
+        for b, run in (("xgrammar", xg), ("gramcoord", gc))
+        for phase in ("constrained", "plain")
+    }
+    out = [
+        BenchRecord.compare(
+            "vllm_engine_step_gramcoord",
+            "vllm_engine_step_xgrammar",
+            step["gramcoord", "constrained"],
+            step["xgrammar", "constrained"],
+            target=STEP_TARGET,
+            note=f"median EngineCore.step, in-process CPU engine, {size}; "
+            f"token ids identical on {same}/{len(gc['outputs'])} requests",
+        )
+    ]
+    for backend in ("gramcoord", "xgrammar"):
+        out.append(
+            BenchRecord.compare(
+                f"vllm_step_constrained_{backend}",
+                f"vllm_step_plain_{backend}",
+                step[backend, "constrained"],
+                step[backend, "plain"],
+                note=f"the same batch without structured outputs, same engine; {size}",
+            )
+        )
+    for backend, run in (("gramcoord", gc), ("xgrammar", xg)):
+        out += _breakdown(backend, run["samples"]["constrained"], size)
+    return out
+
+
+def _breakdown(backend: str, samples: dict[str, list[float]], size: str) -> list[BenchRecord]:
+    """Where a constrained step goes: each timed part's median against the step's."""
+    step_ms = _median(samples.get("step", []))
+    total = sum(samples.get("step", [])) or 1.0
+    out = []
+    for part in PARTS:
+        got = samples.get(part, [])
+        share = sum(got) / total
+        out.append(
+            BenchRecord.compare(
+                f"vllm_step_part_{part}_{backend}",
+                "vllm_engine_step",
+                _median(got),
+                step_ms,
+                note=f"{share:.0%} of the step time ({len(got)} calls); vLLM's own function, "
+                f"timed in the engine's process; {size}",
+            )
+        )
+    return out
+
+
+def _per_round(ranks: list[dict], key: str) -> list[float]:
+    """Per measured round: the slowest rank's ``key``."""
+    rounds = zip(*(r["rounds"] for r in ranks))
+    return [max(x[key] for x in per) for per in rounds if not per[0]["warmup"]]
+
+
+def _ranks_agree(ranks: list[dict]) -> bool:
+    rounds = [r["rounds"] for r in ranks]
+    return all(all(x["tokens"] == per[0]["tokens"] for x in per) for per in zip(*rounds))
+
+
+def hol_records(xg: list[dict], gc: list[dict]) -> list[BenchRecord]:
+    """Time until the fast requests finish: gramcoord async vs vLLM's forced-sync compile."""
+    ours = _median(_per_round(gc, "fast_done_ms"))
+    base = _median(_per_round(xg, "fast_done_ms"))
+    slow_gc = _median(_per_round(gc, "slow_done_ms"))
+    slow_xg = _median(_per_round(xg, "slow_done_ms"))
+    agree = "identical" if _ranks_agree(gc) and _ranks_agree(xg) else "DIFFERENT"
+    n = gc[0]["fast"]
+    return [
+        BenchRecord.compare(
+            "vllm_tp2_fast_done_gramcoord",
+            "vllm_tp2_fast_done_xgrammar_sync",
+            ours,
+            base,
+            target=HOL_TARGET,
+            note=f"torchrun TP=2 external launcher (gloo): one slow schema sent first, then {n} "
+            f"fast ones; ms until every fast one finished, slowest rank, median of "
+            f"{len(_per_round(gc, 'fast_done_ms'))} rounds; the slow one finished at "
+            f"{slow_gc:.0f} ms (gramcoord) / {slow_xg:.0f} ms (xgrammar); outputs {agree} "
+            "across ranks",
+        )
+    ]

@@ -1,0 +1,88 @@
+"""``gramcoord bench vllm`` without an engine: its records' shape, and the skip without vLLM.
+
+The engine run itself is in ``tests/integrations/vllm/test_bench_vllm.py``
+(``.venv-vllm``); here the children's JSON is made up, and the main venv
+(no vLLM) must skip the benchmark in ``bench all`` rather than fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from gramcoord.benchmarks._vllm_records import HOL_TARGET, PARTS, hol_records, step_records
+from gramcoord.launch.bench_all import missing_need
+from gramcoord.launch.cli import main
+
+no_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here"
+)
+
+
+def _step(backend: str, step_ms: float, outputs: list[list[int]]) -> dict:
+    parts = {p: [step_ms / 10] * 4 for p in PARTS}
+    return {
+        "backend": backend,
+        "requests": len(outputs),
+        "max_tokens": 8,
+        "repeat": 1,
+        "samples": {
+            "constrained": {"step": [step_ms] * 4, **parts},
+            "plain": {"step": [step_ms / 2] * 4, "forward": [1.0] * 4},
+        },
+        "outputs": outputs,
+    }
+
+
+def _hol_rank(rank: int, fast_ms: float, slow_ms: float) -> dict:
+    rounds = [
+        {"fast_done_ms": fast_ms, "slow_done_ms": slow_ms, "tokens": {"slow": [1]}, "warmup": w}
+        for w in (True, False, False)
+    ]
+    return {"rank": rank, "backend": "b", "fast": 3, "rounds": rounds}
+
+
+def test_step_records_compare_backends_and_break_the_step_down() -> None:
+    records = step_records(
+        _step("xgrammar", 20.0, [[1, 2], [3]]), _step("gramcoord", 16.0, [[1, 2], [4]])
+    )
+    head = records[0]
+    assert (head.name, head.baseline) == ("vllm_engine_step_gramcoord", "vllm_engine_step_xgrammar")
+    assert head.target == 1.0 and head.met is True and head.ratio == pytest.approx(1.25)
+    assert "identical on 1/2" in head.note
+    plain = {r.name: r for r in records[1:3]}
+    assert plain["vllm_step_constrained_gramcoord"].ratio == pytest.approx(0.5)
+    assert all(r.target is None for r in records[1:])
+    parts = {r.name for r in records[3:]}
+    assert parts == {f"vllm_step_part_{p}_{b}" for p in PARTS for b in ("gramcoord", "xgrammar")}
+
+
+def test_hol_record_is_the_slowest_rank_median_without_the_warmup() -> None:
+    gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
+    xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
+    (rec,) = hol_records(xg, gc)
+    assert rec.median_ms == 1000.0 and rec.baseline_median_ms == 6000.0
+    assert rec.target == HOL_TARGET and rec.met is True
+    assert "identical across ranks" in rec.note and "2 rounds" in rec.note
+
+
+@no_vllm
+def test_bench_vllm_without_vllm_exits_with_a_note(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "vllm", "--out", "unused"])
+    assert ".venv-vllm" in str(info.value.code)
+
+
+@no_vllm
+def test_bench_all_skips_vllm_cleanly_without_it(tmp_path, monkeypatch, capsys) -> None:
+    assert missing_need("vllm") is not None and missing_need("transport") is None
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    assert main(["bench", "all", "--out", str(out), "--no-run", "--only", "vllm"]) == 0
+    (run,) = json.loads((out / "bench_runs.json").read_text())
+    assert run["skipped"].startswith("skipped: vllm is not importable") and run["error"] is None
+    assert json.loads((out / "bench.json").read_text()) == []
+    assert "vllm skipped" in capsys.readouterr().out
+    assert "skipped: vllm" in (out / "bench.md").read_text()
