@@ -1,0 +1,48 @@
+"""``gramcoord bench vllm --quick --parts step`` on the real engine: the report's shape.
+
+Two in-process engines (vLLM's xgrammar backend, then gramcoord), the same
+requests; no timing is asserted, only that every record is there with its
+figures and the head record carries the design's target. The TP=2
+head-of-line part (two more engine pairs under torchrun) runs in the
+benchmark itself; its records' shape is checked without an engine in
+``tests/launch/test_bench_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("GRAMCOORD_REQUIRE_VLLM") == "1":
+        raise RuntimeError("GRAMCOORD_REQUIRE_VLLM=1 but vllm is not importable")
+    pytest.skip(
+        "vLLM is not installed (make test runs these in .venv-vllm)", allow_module_level=True
+    )
+
+from gramcoord.benchmarks._vllm_records import PARTS
+from gramcoord.launch.cli import main
+
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(900)]
+
+
+def test_quick_step_run_reports_every_record(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    args = ["--quick", "--parts", "step", "--workdir", str(tmp_path / "work")]
+    assert main(["bench", "vllm", "--out", str(out), "--", *args]) == 0
+    records = {r["name"]: r for r in json.loads((out / "bench.json").read_text())}
+    head = records["vllm_engine_step_gramcoord"]
+    assert head["baseline"] == "vllm_engine_step_xgrammar" and head["target"] == 1.0
+    assert head["median_ms"] > 0 and head["baseline_median_ms"] > 0
+    assert head["met"] in (True, False)
+    for backend in ("gramcoord", "xgrammar"):
+        assert records[f"vllm_step_constrained_{backend}"]["baseline_median_ms"] > 0
+        for part in PARTS:
+            assert f"vllm_step_part_{part}_{backend}" in records
+        # The worker applied masks, and the scheduler built them.
+        assert records[f"vllm_step_part_apply_grammar_bitmask_{backend}"]["median_ms"] > 0
+        assert records[f"vllm_step_part_grammar_bitmask_{backend}"]["median_ms"] > 0
