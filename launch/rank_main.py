@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgspec
 
+from gramcoord.launch import stacks
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
 from gramcoord.launch.failures import backend_problem
 from gramcoord.launch.progress import ProgressWriter, local_bar
@@ -125,6 +126,8 @@ class _RankLogs:
         root.setLevel(min(self._level or logging.WARNING, logging.INFO))
         self._native = native_stderr_redirected(self.logs, self.rank)
         self._native.__enter__()
+        # ``kill -USR1`` writes every thread's stack here: where a stuck rank waits.
+        stacks.arm(self.logs / f"rank{self.rank}.stacks")
         return self
 
     def failure(self, exc: BaseException) -> None:
@@ -142,6 +145,7 @@ class _RankLogs:
         self.handler.handle(record)
 
     def __exit__(self, *exc: object) -> None:
+        stacks.disarm()
         self._native.__exit__(*exc)
         root = logging.getLogger()
         root.removeHandler(self.handler)

@@ -13,7 +13,9 @@ the innermost frame of our own code that led there, e.g.::
     rank 1 waiting in all_gather (torch/distributed/distributed_c10d.py:3950)
     from coordinator/agreement.py:118 in _exchange
 
-Nothing here runs unless a deadline passed.
+Ranks of ``gramcoord run`` arm it too, into ``logs/rank{R}.stacks``: ``kill
+-USR1 PID`` shows where a live rank is, and the e2e tests' deadline reads
+those files. Nothing here runs unless asked.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
-__all__ = ["arm", "dump", "waiting_in"]
+__all__ = ["arm", "collect", "disarm", "dump", "waiting_in"]
 
 # The signal a parent sends to ask for the stacks; chosen because neither
 # torch nor our ranks use it.
@@ -40,10 +43,31 @@ _keep: list[IO[str]] = []
 
 
 def arm(path: str | os.PathLike[str]) -> None:
-    """In a child: write all thread stacks to ``path`` on ``SIGUSR1``."""
-    handle = open(path, "w")  # noqa: SIM115 - lives as long as the process
+    """Write all thread stacks to ``path`` on ``SIGUSR1`` (until :func:`disarm`)."""
+    handle = open(path, "w")  # noqa: SIM115 - open until disarm or exit
     _keep.append(handle)
     faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=False)
+
+
+def disarm() -> None:
+    """Undo :func:`arm`: the handler goes, the file is closed (removed if empty)."""
+    faulthandler.unregister(DUMP_SIGNAL)
+    while _keep:
+        handle = _keep.pop()
+        handle.close()
+        path = Path(handle.name)
+        if path.is_file() and path.stat().st_size == 0:
+            path.unlink()
+
+
+def collect(paths: Iterable[Path], wait_s: float = DUMP_WAIT_S) -> dict[Path, str]:
+    """The non-empty dumps among ``paths``, waiting up to ``wait_s`` for the first."""
+    paths = list(paths)
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and not any(_read(p) for p in paths):
+        time.sleep(0.05)
+    time.sleep(0.1)  # let a dump in progress finish
+    return {p: text for p in paths if (text := _read(p))}
 
 
 def dump(pids: dict[int, int], paths: dict[int, Path]) -> dict[int, str]:

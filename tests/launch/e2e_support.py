@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gramcoord.launch import stacks
 from tests.launch.entries import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,11 +207,31 @@ def run_cmd(
     )
     try:
         out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        where = _where_ranks_wait(proc.pid, list(argv))
+        _kill_group(proc.pid)
+        proc.communicate()
+        raise TimeoutError(f"{' '.join(map(str, argv))} ran past {timeout:g}s{where}") from exc
     except BaseException:
         _kill_group(proc.pid)
         proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _where_ranks_wait(pgid: int, argv: list[str]) -> str:
+    """Ask every rank of a run past its deadline where it waits (their
+    ``logs/rank{R}.stacks``), so a slow machine can be told from a hang."""
+    if "--out" not in argv:
+        return ""
+    logs = Path(argv[argv.index("--out") + 1]) / "logs"
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, stacks.DUMP_SIGNAL)
+    found = stacks.collect(sorted(logs.glob("rank*.stacks")))
+    if not found:
+        return "; no rank answered the stack dump"
+    lines = [f"\n  {p.stem} {stacks.waiting_in(text)}" for p, text in sorted(found.items())]
+    return "; where each rank waits:" + "".join(lines)
 
 
 def _start_time(pid: int) -> int | None:

@@ -65,3 +65,53 @@ def test_run_procs_deadline_lists_every_rank_still_running():
     head = text.splitlines()[:3]
     assert head[0] == "deadline of 3s passed"
     assert head[1].startswith("  rank 0 ") and head[2].startswith("  rank 1 ")
+
+
+def test_a_rank_writes_its_stacks_on_sigusr1_and_leaves_no_empty_file(tmp_path):
+    import os
+    import signal
+
+    from gramcoord.launch.rank_main import _RankLogs
+
+    with _RankLogs(tmp_path, 3):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        text = stacks.collect([tmp_path / "logs" / "rank3.stacks"])
+    assert "Current thread" in next(iter(text.values()))
+    assert "test_a_rank_writes_its_stacks" in stacks.waiting_in(next(iter(text.values())))
+    with _RankLogs(tmp_path, 4):
+        pass  # never signalled: no file is left behind
+    assert not (tmp_path / "logs" / "rank4.stacks").exists()
+
+
+_HUNG_RANK = """
+import pathlib, select, sys, os
+from gramcoord.launch import stacks
+logs = pathlib.Path(sys.argv[1]) / "logs"
+logs.mkdir(parents=True)
+stacks.arm(logs / "rank0.stacks")
+def wait_for_peer():
+    (logs / "ready").write_text("1")
+    select.select([os.pipe()[0]], [], [])
+wait_for_peer()
+"""
+
+
+def test_e2e_deadline_names_where_each_rank_waits(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.launch.e2e_support import _kill_group, _where_ranks_wait
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_RANK, str(out)], start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while not (out / "logs" / "ready").exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        line = ""
+        while "wait_for_peer" not in line and time.monotonic() < end:
+            line = _where_ranks_wait(proc.pid, ["run", "--out", str(out)])
+    finally:
+        _kill_group(proc.pid)
+        proc.wait()
+    assert line.startswith("; where each rank waits:\n  rank0 waiting in wait_for_peer (")
