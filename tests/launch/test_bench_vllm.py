@@ -38,7 +38,13 @@ def _step(backend: str, step_ms: float, outputs: list[list[int]]) -> dict:
 
 def _hol_rank(rank: int, fast_ms: float, slow_ms: float) -> dict:
     rounds = [
-        {"fast_done_ms": fast_ms, "slow_done_ms": slow_ms, "tokens": {"slow": [1]}, "warmup": w}
+        {
+            "fast_done_ms": fast_ms,
+            "fast_first_token_ms": fast_ms / 2,
+            "slow_done_ms": slow_ms,
+            "tokens": {"slow": [1]},
+            "warmup": w,
+        }
         for w in (True, False, False)
     ]
     return {"rank": rank, "backend": "b", "fast": 3, "rounds": rounds}
@@ -52,18 +58,22 @@ def test_step_records_compare_backends_and_break_the_step_down() -> None:
     assert (head.name, head.baseline) == ("vllm_engine_step_gramcoord", "vllm_engine_step_xgrammar")
     assert head.target == 1.0 and head.met is True and head.ratio == pytest.approx(1.25)
     assert "identical on 1/2" in head.note
-    plain = {r.name: r for r in records[1:3]}
+    overhead = records[1]
+    assert overhead.name == "vllm_step_grammar_overhead_gramcoord"
+    assert (overhead.median_ms, overhead.baseline_median_ms) == (8.0, 10.0)
+    plain = {r.name: r for r in records[2:4]}
     assert plain["vllm_step_constrained_gramcoord"].ratio == pytest.approx(0.5)
     assert all(r.target is None for r in records[1:])
-    parts = {r.name for r in records[3:]}
+    parts = {r.name for r in records[4:]}
     assert parts == {f"vllm_step_part_{p}_{b}" for p in PARTS for b in ("gramcoord", "xgrammar")}
 
 
 def test_hol_record_is_the_slowest_rank_median_without_the_warmup() -> None:
     gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
     xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
-    (rec,) = hol_records(xg, gc)
+    rec, admitted = hol_records(xg, gc)
     assert rec.median_ms == 1000.0 and rec.baseline_median_ms == 6000.0
+    assert admitted.median_ms == 500.0 and admitted.target is None
     assert rec.target == HOL_TARGET and rec.met is True
     assert "identical across ranks" in rec.note and "2 rounds" in rec.note
 

@@ -1,7 +1,7 @@
 """A real client against ``vllm serve`` with gramcoord as its structured-output backend.
 
 One server for the module: ``vllm serve`` on the tiny offline model
-(``gramcoord.benchmarks._vllm_model``) with
+(``gramcoord.benchmarks._vllm_common``) with
 ``--structured-outputs-config '{"backend": "gramcoord"}'``. Nothing imports
 gramcoord into the server: vLLM loads the plugin through its
 ``vllm.general_plugins`` entry point, before it parses the arguments. The
@@ -47,7 +47,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai"
 import jsonschema
 import openai
 
-from gramcoord.benchmarks._vllm_model import build_tiny_vllm_model, cpu_env
+from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model, cpu_env
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(900)]
 

@@ -1,0 +1,177 @@
+"""The children of ``gramcoord bench vllm``: real vLLM engines, timed from inside.
+
+``python -m gramcoord.benchmarks._vllm_child step --model DIR --backend B --out FILE``
+builds ``LLM(DIR, structured_outputs_config={"backend": B})`` in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), wraps vLLM's own step functions with
+timers (``_vllm_common.TIMED``), and runs the same batch of requests in
+rounds: constrained (one JSON schema each) and plain (the same prompts, no
+constraint), interleaved, after one warm-up round of each. Every request
+decodes exactly ``--max-tokens`` tokens (``ignore_eos``), so each step of a
+round has the same batch. Writes JSON: per phase, per timer, every sample
+(ms); and the constrained outputs' token ids, to compare backends.
+
+``torchrun --nproc-per-node 2 -m gramcoord.benchmarks._vllm_child hol --model
+DIR --backend B --out-dir DIR``: each rank builds ``LLM(DIR,
+tensor_parallel_size=2, distributed_executor_backend="external_launcher")``:
+one scheduler per TP rank, where vLLM compiles grammars inline ("async
+grammar compilation causes deadlocks"), and gramcoord keeps them async. Per
+round, every rank submits the same requests in the same order through
+``LLMEngine.add_request``: the slow schema first (a new grammar each round),
+then ``--fast`` small ones, and steps the engine until all finish, recording
+when each finished and when each got its first token, from before the first
+``add_request``. One warm-up round (the fast requests alone), then
+``--repeat`` rounds. Writes ``rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gramcoord.benchmarks._vllm_common import (
+    Timers,
+    dev_schemas,
+    make_llm,
+    params,
+    setup_env,
+    slow_schema,
+)
+
+
+def _parse_step(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gramcoord.benchmarks._vllm_child step")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", required=True, choices=("xgrammar", "gramcoord"))
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--data", default=None)
+    p.add_argument("--cache-root", default=None)
+    return p.parse_args(argv)
+
+
+def step_main(argv: list[str]) -> int:
+    opts = _parse_step(argv)
+    setup_env(opts.cache_root)
+    timers = Timers()
+    timers.install()
+    llm = make_llm(opts.model, opts.backend)
+    schemas = dev_schemas(opts.data, opts.requests)
+    prompts = [f"Write JSON for record {i}." for i in range(len(schemas))]
+    constrained = [params(s, opts.max_tokens) for s in schemas]
+    plain = [params(None, opts.max_tokens) for _ in schemas]
+    samples: dict[str, dict[str, list[float]]] = {"constrained": {}, "plain": {}}
+    outputs: list[list[int]] = []
+    for round_no in range(opts.repeat + 1):
+        for phase, sampling in (("constrained", constrained), ("plain", plain)):
+            timers.reset()
+            got = llm.generate(prompts, sampling, use_tqdm=False)
+            if round_no == 0:  # warm-up: compiles, first-step costs
+                if phase == "constrained":
+                    outputs = [list(o.outputs[0].token_ids) for o in got]
+                    errors = [o.outputs[0].finish_reason for o in got]
+                    assert all(e in ("stop", "length") for e in errors), errors
+                continue
+            for label, ms in timers.snapshot().items():
+                samples[phase].setdefault(label, []).extend(ms)
+    result: dict[str, Any] = {
+        "backend": opts.backend,
+        "requests": len(schemas),
+        "max_tokens": opts.max_tokens,
+        "repeat": opts.repeat,
+        "samples": samples,
+        "outputs": outputs,
+    }
+    opts.out.write_text(json.dumps(result))
+    return 0
+
+
+def _parse_hol(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrun ... -m gramcoord.benchmarks._vllm_child hol")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", required=True, choices=("xgrammar", "gramcoord"))
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--fast", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--data", default=None)
+    p.add_argument("--cache-root", default=None)
+    return p.parse_args(argv)
+
+
+def _round(engine: Any, tag: str, slow: dict | None, fast: list[dict], max_tokens: int) -> dict:
+    """One round: slow first (if any), then the fast ones; when each finished (ms from start)."""
+    done: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    if slow is not None:
+        engine.add_request(f"{tag}-slow", "Write the build config.", params(slow, max_tokens))
+    for i, schema in enumerate(fast):
+        engine.add_request(f"{tag}-fast-{i}", f"Write JSON {i}.", params(schema, max_tokens))
+    expected = len(fast) + (slow is not None)
+    first: dict[str, float] = {}
+    steps = 0
+    while len(done) < expected:
+        outs = engine.step()
+        steps += 1
+        now = (time.perf_counter() - t0) * 1e3
+        for out in outs:
+            if out.outputs and out.outputs[0].token_ids:
+                first.setdefault(out.request_id, now)
+            if out.finished and out.request_id not in done:
+                done[out.request_id] = (time.perf_counter() - t0) * 1e3
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+                reason = out.outputs[0].finish_reason
+                assert reason in ("stop", "length"), (out.request_id, reason)
+    fast_ms = [ms for rid, ms in done.items() if "-fast-" in rid]
+    fast_first = [ms for rid, ms in first.items() if "-fast-" in rid]
+    return {
+        "fast_done_ms": max(fast_ms),
+        # When the last fast request got its first token (admitted and decoding).
+        "fast_first_token_ms": max(fast_first),
+        "steps": steps,
+        "slow_done_ms": done.get(f"{tag}-slow", 0.0),
+        "tokens": {rid.split("-", 1)[1]: t for rid, t in tokens.items()},
+    }
+
+
+def hol_main(argv: list[str]) -> int:
+    opts = _parse_hol(argv)
+    setup_env(opts.cache_root)
+    rank = int(os.environ.get("RANK", "0"))
+    llm = make_llm(
+        opts.model,
+        opts.backend,
+        tensor_parallel_size=int(os.environ.get("WORLD_SIZE", "2")),
+        distributed_executor_backend="external_launcher",
+    )
+    engine = llm.llm_engine
+    fast = dev_schemas(opts.data, opts.fast)
+    rounds = []
+    for round_no in range(opts.repeat + 1):
+        # The warm-up round has no slow request: first-step costs and the fast
+        # schemas' compiles (cached after it on both backends).
+        slow = slow_schema(opts.data, round_no) if round_no else None
+        got = _round(engine, f"r{round_no}", slow, fast, opts.max_tokens)
+        got["warmup"] = round_no == 0
+        rounds.append(got)
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    out = {"rank": rank, "backend": opts.backend, "fast": len(fast), "rounds": rounds}
+    (opts.out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("step", "hol"):
+        raise SystemExit("usage: python -m gramcoord.benchmarks._vllm_child {step,hol} ...")
+    return (step_main if argv[0] == "step" else hol_main)(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
