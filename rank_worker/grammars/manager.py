@@ -414,6 +414,22 @@ class GrammarManager:
         """A fresh matcher on the request's shared compiled grammar."""
         return xgr.GrammarMatcher(self._running[request_id].compiled)
 
+    def compiled(self, request_id: str) -> xgr.CompiledGrammar:
+        """The running request's shared compiled grammar (hosts build their own matchers)."""
+        return self._running[request_id].compiled
+
+    @property
+    def num_live(self) -> int:
+        """Requests held anywhere: queued, pending or running."""
+        return len(self._seq_of)
+
+    def wait_pending(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for the oldest unfinished pending compile; True if done."""
+        for entry in self._pending.values():
+            if entry.job is not None and not entry.job.done.is_set():
+                return entry.job.done.wait(timeout_s)
+        return True
+
     def close(self) -> None:
         self.service.close()
 

@@ -1,0 +1,1 @@
+"""Host-engine integrations of gramcoord, installed as ``gramcoord.integrations``."""

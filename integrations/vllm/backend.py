@@ -1,0 +1,269 @@
+"""gramcoord as a vLLM 0.32 structured-output backend: real subclasses of vLLM's ABCs.
+
+vLLM builds ``GramcoordBackend(vllm_config, tokenizer, vocab_size)``. The
+vocabulary, stop ids and compile calls are vLLM's own (an
+``XgrammarBackend`` inside supplies the tokenizer info and compiles), so
+outputs are token-identical to vLLM + xgrammar. gramcoord adds what vLLM
+lacks: validation and keys, a compile cache and poison cache, compile
+deadlines, and readiness decided by the ``Agreement`` once per engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import xgrammar as xgr
+from vllm.v1.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    StructuredOutputOptions,
+)
+from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+from gramcoord.integrations.vllm.agreement import Agreement
+from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
+from gramcoord.rank_worker.faults import RankFaults
+from gramcoord.rank_worker.grammars.compile_service import _choice_ebnf
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.spec import GrammarSpec
+
+__all__ = ["FAIL_COMPILE_ENV", "GramcoordBackend", "GramcoordGrammar", "grammar_config"]
+
+logger = logging.getLogger(__name__)
+
+# "RANK:REGEX": on that global rank, compiles whose spec matches REGEX raise
+# (fault injection for the one-rank-fails test).
+FAIL_COMPILE_ENV = "GRAMCOORD_VLLM_FAIL_COMPILE"
+# Options of additional_config["gramcoord"]["grammar"] that do not change
+# which specs are accepted (the front end validates with the defaults).
+_ENGINE_OPTIONS = frozenset(
+    {
+        "compile_timeout_s",
+        "num_compile_workers",
+        "num_stuck_compiles",
+        "poison_ttl_s",
+        "cache_limit_mb",
+        "num_cache_entries",
+        "num_poison_entries",
+        "max_pending",
+    }
+)
+_KIND_TO_VLLM = {
+    "json": StructuredOutputOptions.JSON,
+    "json_object": StructuredOutputOptions.JSON_OBJECT,
+    "regex": StructuredOutputOptions.REGEX,
+    "ebnf": StructuredOutputOptions.GRAMMAR,
+    "lark": StructuredOutputOptions.GRAMMAR,
+    "structural_tag": StructuredOutputOptions.STRUCTURAL_TAG,
+}
+
+
+def grammar_config(disable_any_whitespace: bool, options: dict[str, Any] | None = None):
+    """The ``GrammarConfig`` for vLLM: vLLM's whitespace rule, a compile pool of 2+.
+
+    ``options`` (``additional_config["gramcoord"]["grammar"]``) may set only
+    engine-side options; spec rules stay the defaults the front end checks.
+    """
+    options = dict(options or {})
+    bad = sorted(set(options) - _ENGINE_OPTIONS)
+    if bad:
+        raise ValueError(
+            f"additional_config['gramcoord']['grammar'] may set only {sorted(_ENGINE_OPTIONS)}; "
+            f"got {bad}"
+        )
+    # One slow compile must not queue the fast ones behind it.
+    options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
+    return msgspec.convert(
+        {**options, "compile_mode": "async", "any_whitespace": not disable_any_whitespace},
+        GrammarConfig,
+    )
+
+
+def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[str, Any]:
+    """The gramcoord spec (vLLM field names) of a vLLM structured-output key."""
+    kind = request_type.name.lower()
+    if kind == "json_object":
+        return {"json_object": True}
+    return {kind: grammar_spec}
+
+
+@dataclass
+class GramcoordGrammar(StructuredOutputGrammar):
+    """One request's matcher; behaves exactly as vLLM's ``XgrammarGrammar``."""
+
+    matcher: xgr.GrammarMatcher
+    vocab_size: int
+    request_id: str = ""
+    num_processed_tokens: int = field(default=0, init=False)
+    _is_terminated: bool = field(default=False, init=False)
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        """Advance; tokens after termination are accepted and ignored (as vLLM)."""
+        if self._is_terminated:
+            return True
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                logger.error("gramcoord: request %s: grammar rejected token %s", request_id, token)
+                return False
+            self.num_processed_tokens += 1
+            self._is_terminated = self.matcher.is_terminated()
+            if self._is_terminated:
+                break
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The accepted prefix of ``tokens``; the state is left unchanged."""
+        if self._is_terminated:
+            return []
+        accepted: list[int] = []
+        for token in tokens:
+            if not self.matcher.accept_token(token):
+                break
+            accepted.append(token)
+            if self.matcher.is_terminated():
+                break
+        if accepted:
+            self.matcher.rollback(len(accepted))
+        return accepted
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_processed_tokens -= num_tokens
+        self._is_terminated = self.matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, idx)
+
+    def is_terminated(self) -> bool:
+        return self._is_terminated
+
+    def reset(self) -> None:
+        self.num_processed_tokens = 0
+        self._is_terminated = False
+        self.matcher.reset()
+
+
+@dataclass
+class GramcoordBackend(StructuredOutputBackend):
+    """vLLM's ``StructuredOutputBackend`` over a gramcoord ``GrammarManager``."""
+
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        self.host = XgrammarBackend(self.vllm_config, self.tokenizer, self.vocab_size)
+        self.vocab_size = self.host.vocab_size
+        self.num_speculative_tokens = self.host.num_speculative_tokens
+        so = self.vllm_config.structured_outputs_config
+        extra = (self.vllm_config.additional_config or {}).get("gramcoord", {})
+        self.config = grammar_config(so.disable_any_whitespace, extra.get("grammar"))
+        self.global_rank = int(os.environ.get("RANK", "0"))
+        faults = RankFaults.of(
+            msgspec.convert(extra.get("faults", {}), FaultsConfig), self.global_rank
+        )
+        self.fail_pattern = _fail_pattern(self.global_rank)
+        model = self.vllm_config.model_config
+        vocab = f"vllm:{model.tokenizer}:{self.vocab_size}"
+        self.manager = GrammarManager(
+            self.config, _Vocab(vocab), compile_fn=faults.wrap_compile(self._compile_spec)
+        )
+        self.agreement = Agreement(self.manager, self.group)
+        logger.info(
+            "gramcoord backend: vocabulary %s, agreement group of %d, %d compile workers",
+            vocab,
+            self.agreement.size,
+            self.config.pool_size,
+        )
+
+    # -- compiling -------------------------------------------------------------
+
+    def _compile_spec(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """A validated spec compiled exactly as vLLM's xgrammar backend compiles it."""
+        if self.fail_pattern is not None and self.fail_pattern.search(spec.text):
+            raise RuntimeError(f"injected compile failure on rank {self.global_rank}")
+        if spec.kind == "choice":  # vLLM's validation turns choices into grammars first
+            return self.host.compiler.compile_grammar(_choice_ebnf(spec.text))
+        text = "" if spec.kind == "json_object" else spec.text
+        return self.host.compile_grammar(_KIND_TO_VLLM[spec.kind], text).ctx
+
+    def _grammar(self, request_id: str, stop_token_ids: set[int] | None) -> GramcoordGrammar:
+        matcher = xgr.GrammarMatcher(
+            self.manager.compiled(request_id),
+            override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
+            max_rollback_tokens=self.num_speculative_tokens,
+        )
+        return GramcoordGrammar(matcher, self.vocab_size, request_id)
+
+    def compile_grammar(
+        self,
+        request_type: StructuredOutputOptions,
+        grammar_spec: str,
+        stop_token_ids: set[int] | None = None,
+    ) -> StructuredOutputGrammar:
+        """vLLM's synchronous contract (not on the engine's path: see ``admit``)."""
+        ctx = self.host.compile_grammar(request_type, grammar_spec).ctx
+        matcher = xgr.GrammarMatcher(
+            ctx,
+            override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
+            max_rollback_tokens=self.num_speculative_tokens,
+        )
+        return GramcoordGrammar(matcher, self.vocab_size)
+
+    # -- the engine's path -----------------------------------------------------
+
+    def admit(self, request: Any) -> None:
+        """``grammar_init`` for gramcoord: the grammar slot gets an agreement-owned Future."""
+        sor = request.structured_output_request
+        request_type, grammar_spec = sor.structured_output_key
+        params = request.sampling_params
+        stops = params.all_stop_token_ids if params is not None else None
+        future: Future = self.agreement.submit(
+            request.request_id,
+            spec_of(request_type, grammar_spec),
+            lambda rid: self._grammar(rid, stops),
+        )
+        sor.grammar = future
+
+    def before_schedule(self, num_unfinished: int) -> None:
+        """Top of every ``Scheduler.schedule``: sleep briefly if only grammars are awaited,
+        then agree (every rank, every step)."""
+        if self.agreement.num_undecided and num_unfinished <= self.agreement.num_undecided:
+            self.agreement.wait(0.02)
+        self.agreement.step()
+
+    def release(self, request_id: str) -> None:
+        """``Scheduler._free_request``: the request ended, for whatever reason."""
+        self.agreement.release(request_id)
+
+    @property
+    def num_live(self) -> int:
+        """Requests whose state is still held here (0 once all ended)."""
+        return self.agreement.num_live
+
+    def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(max_num_seqs, self.vocab_size)
+
+    def destroy(self) -> None:
+        self.manager.close()
+        self.host.destroy()
+
+
+class _Vocab:
+    """What the manager needs of a vocabulary: its name (part of every key)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _fail_pattern(rank: int) -> re.Pattern[str] | None:
+    value = os.environ.get(FAIL_COMPILE_ENV, "")
+    if not value:
+        return None
+    target, _, pattern = value.partition(":")
+    return re.compile(pattern) if int(target) == rank else None

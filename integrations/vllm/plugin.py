@@ -1,0 +1,286 @@
+"""The vLLM plugin: ``register()`` makes ``backend="gramcoord"`` a vLLM 0.32 backend.
+
+vLLM loads it through the ``vllm.general_plugins`` entry point in every
+process. ``LLM(...)`` validates its ``StructuredOutputsConfig`` before
+plugins load, so offline code calls ``register()`` (or imports this module)
+before ``LLM(...)``; ``vllm serve`` needs nothing. This is the only module
+that changes vLLM's behaviour; every internal it touches is in ``INTERNALS``
+(``test_plugin_internals`` checks each one still exists with the same
+signature).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import typing
+from typing import Any
+
+__all__ = ["INTERNALS", "NAME", "SUPPORTED", "register"]
+
+logger = logging.getLogger(__name__)
+
+NAME = "gramcoord"
+# Supported vLLM versions: 0.32.x.
+SUPPORTED = "0.32"
+
+# Every vLLM internal used, as (module, attribute, parameters or None, why).
+INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
+    (
+        "vllm.config.structured_outputs",
+        "StructuredOutputsBackend",
+        None,
+        "the closed Literal of backend names, widened with 'gramcoord'",
+    ),
+    (
+        "vllm.config.structured_outputs",
+        "StructuredOutputsConfig._validate_structured_output_config",
+        ("self",),
+        "allows disable_any_whitespace with gramcoord (pydantic validator, rebuilt)",
+    ),
+    (
+        "vllm.config",
+        "VllmConfig",
+        None,
+        "rebuilt (pydantic) so it sees the widened backend config",
+    ),
+    (
+        "vllm.sampling_params",
+        "SamplingParams._validate_structured_outputs",
+        ("self", "model_config", "structured_outputs_config", "tokenizer"),
+        "front-end validation: vLLM's xgrammar rules, then ours (VLLMValidationError, 400)",
+    ),
+    (
+        "vllm.v1.structured_output",
+        "StructuredOutputManager.grammar_init",
+        ("self", "request"),
+        "builds GramcoordBackend before the if/elif; the grammar slot gets our Future",
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.schedule",
+        ("self", "throttle_prefills"),
+        "the agreement, once per engine step on every rank",
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler._free_request",
+        ("self", "request", "delay_free_blocks"),
+        "request end or abort releases our state",
+    ),
+    (
+        "vllm.distributed.parallel_state",
+        "get_tp_group",
+        (),
+        "the agreement group under external_launcher: the TP group's gloo cpu_group",
+    ),
+    (
+        "vllm.v1.structured_output.backend_xgrammar",
+        "XgrammarBackend.compile_grammar",
+        ("self", "request_type", "grammar_spec", "stop_token_ids"),
+        "vLLM's tokenizer info and compile calls, reused for identical outputs",
+    ),
+)
+
+
+def _check_version() -> None:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not (version == SUPPORTED or version.startswith(SUPPORTED + ".")):
+        raise RuntimeError(
+            f"gramcoord's vLLM plugin supports vLLM {SUPPORTED}.x (>=0.32.0,<0.33); "
+            f"vLLM {version} is installed"
+        )
+
+
+def _widen_backend_literal() -> None:
+    import vllm.config.structured_outputs as so
+    from pydantic.dataclasses import rebuild_dataclass
+
+    names = typing.get_args(so.StructuredOutputsBackend)
+    widened = typing.Literal[(*names, NAME)]  # type: ignore[valid-type]
+    so.StructuredOutputsBackend = widened
+    cls = so.StructuredOutputsConfig
+    cls.__annotations__["backend"] = widened
+    cls.__dataclass_fields__["backend"].type = widened
+    cls.__pydantic_fields__["backend"].annotation = widened
+    validator = cls.__pydantic_decorators__.model_validators["_validate_structured_output_config"]
+    original = validator.func
+
+    @functools.wraps(original)
+    def check(self: Any) -> Any:
+        if self.backend == NAME:  # disable_any_whitespace is ours too
+            return original(dataclasses.replace(self, backend="xgrammar")) and self
+        return original(self)
+
+    validator.func = check
+    rebuild_dataclass(cls, force=True)
+    from vllm.config import VllmConfig
+
+    rebuild_dataclass(VllmConfig, force=True)  # it embeds the config's validator
+
+
+def _wrap_validation() -> None:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    from gramcoord.integrations.vllm.backend import grammar_config
+    from gramcoord.rank_worker.errors import SpecError
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+
+    original = SamplingParams._validate_structured_outputs
+
+    @functools.wraps(original)
+    def validate(self, model_config, structured_outputs_config, tokenizer):
+        so = self.structured_outputs
+        if structured_outputs_config is None or so is None:
+            return original(self, model_config, structured_outputs_config, tokenizer)
+        if structured_outputs_config.backend != NAME:
+            return original(self, model_config, structured_outputs_config, tokenizer)
+        if so._backend not in (None, NAME):
+            raise VLLMValidationError(
+                f"Request-level structured output backend selection is not supported: the "
+                f"request specified {so._backend!r}, vLLM was initialised with {NAME!r}"
+            )
+        so._backend = None
+        as_xgrammar = dataclasses.replace(structured_outputs_config, backend="xgrammar")
+        original(self, model_config, as_xgrammar, tokenizer)  # vLLM's own rules first
+        spec = {
+            f: getattr(so, f)
+            for f in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+            if getattr(so, f) is not None
+        }
+        config = grammar_config(structured_outputs_config.disable_any_whitespace)
+        try:
+            validate_spec(spec, config)
+        except SpecError as exc:
+            raise VLLMValidationError(
+                f"gramcoord refused the structured output request ({exc.code.name}): {exc.message}",
+                parameter="structured_outputs",
+            ) from exc
+        so._backend = NAME
+        so._backend_was_auto = False
+
+    SamplingParams._validate_structured_outputs = validate
+
+
+def agreement_group(vllm_config: Any) -> Any | None:
+    """The ranks that run schedulers over the same request stream, or ``None``.
+
+    Under ``external_launcher`` every TP rank runs its own scheduler: the
+    group is vLLM's TP group (its gloo ``cpu_group``). Otherwise one
+    scheduler serves the TP group: no agreement collective is needed.
+    """
+    parallel = vllm_config.parallel_config
+    if parallel.distributed_executor_backend != "external_launcher":
+        return None
+    if parallel.tensor_parallel_size <= 1:
+        return None
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().cpu_group
+
+
+def _wrap_manager() -> None:
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from gramcoord.integrations.vllm.backend import GramcoordBackend
+
+    original = StructuredOutputManager.grammar_init
+
+    @functools.wraps(original)
+    def grammar_init(self, request):
+        sor = request.structured_output_request
+        if sor is None:
+            return original(self, request)
+        if self.backend is None and sor.params._backend == NAME:
+            self.backend = GramcoordBackend(
+                self.vllm_config,
+                tokenizer=self.tokenizer,
+                vocab_size=self.vllm_config.model_config.get_vocab_size(),
+                group=agreement_group(self.vllm_config),
+            )
+            # The agreement makes async compile safe under external_launcher.
+            self._use_async_grammar_compilation = True
+        if isinstance(self.backend, GramcoordBackend):
+            return self.backend.admit(request)
+        return original(self, request)
+
+    StructuredOutputManager.grammar_init = grammar_init
+
+
+def _wrap_scheduler() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from gramcoord.integrations.vllm.backend import GramcoordBackend
+
+    schedule = Scheduler.schedule
+    free = Scheduler._free_request
+
+    @functools.wraps(schedule)
+    def scheduled(self, *args, **kwargs):
+        backend = self.structured_output_manager.backend
+        if isinstance(backend, GramcoordBackend):
+            backend.before_schedule(self.get_num_unfinished_requests())
+        return schedule(self, *args, **kwargs)
+
+    @functools.wraps(free)
+    def freed(self, request, *args, **kwargs):
+        backend = self.structured_output_manager.backend
+        if isinstance(backend, GramcoordBackend) and request.structured_output_request:
+            backend.release(request.request_id)
+        return free(self, request, *args, **kwargs)
+
+    Scheduler.schedule = scheduled
+    Scheduler._free_request = freed
+
+
+def check_internals() -> list[str]:
+    """What is missing or changed among ``INTERNALS`` (empty when all match)."""
+    import importlib
+
+    problems = []
+    for module, attr, params, _why in INTERNALS:
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            problems.append(f"{module}.{attr}: missing ({exc})")
+            continue
+        if params is None:
+            continue
+        obj = inspect.unwrap(obj)
+        got = tuple(inspect.signature(obj).parameters)
+        if got != params:
+            problems.append(f"{module}.{attr}: parameters {got}, expected {params}")
+    return problems
+
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``structured_outputs_config={"backend": "gramcoord"}`` work; idempotent.
+
+    Raises
+    ------
+    RuntimeError
+        vLLM is not 0.32.x, or an internal the plugin patches changed.
+    """
+    global _registered
+    if _registered:
+        return
+    _check_version()
+    problems = check_internals()
+    if problems:
+        raise RuntimeError("gramcoord's vLLM plugin cannot patch vLLM: " + "; ".join(problems))
+    _widen_backend_literal()
+    _wrap_validation()
+    _wrap_manager()
+    _wrap_scheduler()
+    _registered = True
+    logger.info("gramcoord: registered the %r structured-output backend", NAME)
