@@ -19,6 +19,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal, Protocol
 
 import numpy as np
@@ -107,11 +109,16 @@ class Runtime:
         store: dist.Store | None,
         owns_world: bool,
         agreement_levels: Literal["flat", "host"] = "flat",
+        init_timeout_s: float | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.step_timeout_s = step_timeout_s
         self._op_timeout = datetime.timedelta(seconds=step_timeout_s * OP_SHARE)
+        # Exchanges of the start-up phase (see ``startup``) wait this long.
+        self._init_timeout = datetime.timedelta(
+            seconds=max(step_timeout_s, init_timeout_s or 0.0) * OP_SHARE
+        )
         self._roll_call_s = min(MAX_ROLL_CALL_S, step_timeout_s * (1 - OP_SHARE))
         self._store = store
         self._owns_world = owns_world
@@ -190,6 +197,7 @@ class Runtime:
             store=store,
             owns_world=True,
             agreement_levels=distributed.agreement_levels,
+            init_timeout_s=distributed.init_timeout_s,
         )
 
     @classmethod
@@ -225,6 +233,7 @@ class Runtime:
             store=store,
             owns_world=False,
             agreement_levels=distributed.agreement_levels,
+            init_timeout_s=distributed.init_timeout_s,
         )
 
     def __enter__(self) -> Runtime:
@@ -237,6 +246,21 @@ class Runtime:
         """Global ranks of this rank's group ``group``; empty if none."""
         entry = self._groups.get(group)
         return entry[1] if entry else ()
+
+    @contextmanager
+    def startup(self) -> Iterator[None]:
+        """Calls inside wait up to ``init_timeout_s`` instead of the step's share.
+
+        Before the first step, peers are still building their rings and
+        loading vocabularies: on a busy machine that takes longer than one
+        step may, and a slow peer there is not a lost one. A peer that died
+        is still reported, once the longer deadline passes.
+        """
+        saved, self._op_timeout = self._op_timeout, self._init_timeout
+        try:
+            yield
+        finally:
+            self._op_timeout = saved
 
     def process_group(self, group: str) -> dist.ProcessGroup | None:
         """The gloo process group ``group`` of this rank (e.g. ``"tp"``), or None.

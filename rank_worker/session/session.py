@@ -31,6 +31,7 @@ Calls, in step order (see DESIGN section 14):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from typing import Any
@@ -146,43 +147,47 @@ class RankSession(SessionMasks):
         self.faults = RankFaults.of(config.faults, rank)
         width = (tokenizer.vocab_size + 31) // 32
         max_seqs = config.scheduler.max_num_seqs
+        # Start-up exchanges wait up to init_timeout_s: a peer still building
+        # its ring under load is slow, not lost.
+        startup = runtime.startup() if runtime is not None else contextlib.nullcontext()
         try:
-            if runtime is not None:
-                self._check_vocabulary()
-            if self.is_follower and self.followers == "read":
-                self.book = FollowerBook()
-            if self.is_leader or (self.is_follower and self.followers == "fill"):
-                compile_fn = None
-                if self.faults.compile_delay is not None:
-                    limit = int(config.grammar.cache_limit_mb * 2**20)
-                    compile_fn = self.faults.wrap_compile(
-                        XGrammarBackend(tokenizer, cache_limit_bytes=limit)
+            with startup:
+                if runtime is not None:
+                    self._check_vocabulary()
+                if self.is_follower and self.followers == "read":
+                    self.book = FollowerBook()
+                if self.is_leader or (self.is_follower and self.followers == "fill"):
+                    compile_fn = None
+                    if self.faults.compile_delay is not None:
+                        limit = int(config.grammar.cache_limit_mb * 2**20)
+                        compile_fn = self.faults.wrap_compile(
+                            XGrammarBackend(tokenizer, cache_limit_bytes=limit)
+                        )
+                    self.manager = GrammarManager(config.grammar, tokenizer, compile_fn=compile_fn)
+                if self.is_leader:
+                    self.admission = (
+                        Admission.build(self.manager, layout, runtime, config.distributed)
+                        if runtime is not None
+                        else Admission(self.manager, None)
                     )
-                self.manager = GrammarManager(config.grammar, tokenizer, compile_fn=compile_fn)
-            if self.is_leader:
-                self.admission = (
-                    Admission.build(self.manager, layout, runtime, config.distributed)
-                    if runtime is not None
-                    else Admission(self.manager, None)
-                )
-            if self.is_last_stage:
-                self.applier = MaskApplier(
-                    width, max_num_seqs=max_seqs, num_speculative_tokens=self.k
-                )
-            if self.is_last_stage and self.manager is not None:
-                self.builder = BitmaskBuilder(
-                    tokenizer.vocab_size, max_num_seqs=max_seqs, num_speculative_tokens=self.k
-                )
-                if tokenizer.can_encode:
-                    self.jump = JumpForward.from_config(config.grammar, tokenizer)
-                elif config.grammar.jump_forward:
-                    logger.warning(
-                        "[rank %d] jump-forward is off: vocabulary %r came without an encoder",
-                        rank,
-                        tokenizer.name,
+                if self.is_last_stage:
+                    self.applier = MaskApplier(
+                        width, max_num_seqs=max_seqs, num_speculative_tokens=self.k
                     )
-            if self.is_last_stage and layout.tp > 1 and self.followers != "fill":
-                self._connect_transport(run_id or secrets.token_hex(4))
+                if self.is_last_stage and self.manager is not None:
+                    self.builder = BitmaskBuilder(
+                        tokenizer.vocab_size, max_num_seqs=max_seqs, num_speculative_tokens=self.k
+                    )
+                    if tokenizer.can_encode:
+                        self.jump = JumpForward.from_config(config.grammar, tokenizer)
+                    elif config.grammar.jump_forward:
+                        logger.warning(
+                            "[rank %d] jump-forward is off: vocabulary %r came without an encoder",
+                            rank,
+                            tokenizer.name,
+                        )
+                if self.is_last_stage and layout.tp > 1 and self.followers != "fill":
+                    self._connect_transport(run_id or secrets.token_hex(4))
         except BaseException:
             self.close()
             raise
