@@ -22,6 +22,8 @@ from pathlib import Path
 
 import msgspec
 
+from gramcoord.rank_worker.grammars import native_exit
+
 SAMPLE_EVERY = 25
 WARM_SHARE = 0.1
 RSS_SLACK = 0.10
@@ -51,8 +53,10 @@ class RankResources(msgspec.Struct, kw_only=True):
     # main thread included); a stuck compile's thread shows up here.
     threads_start: int = 0
     threads_after_close: int = 0
-    # Names of the threads alive after close that were not there at start.
+    # Names of the threads alive after close that were not there at start,
+    # less those still inside a compile (``compiling_after_close`` of them).
     new_threads: list[str] = msgspec.field(default_factory=list)
+    compiling_after_close: int = 0
     native_threads_after_close: int = 0
 
 
@@ -83,9 +87,16 @@ class ResourceProbe:
     def after_close(self, logs: Path) -> RankResources:
         """After the session closed: threads left; writes ``rank<N>.resources.json``."""
         res = self.res
+        # A compile past its deadline cannot be stopped: its daemon thread ends
+        # when xgrammar returns. Those (seen before the threads are listed, so
+        # one that just returned is still among them) are not leaks.
+        compiling = native_exit.threads_in_calls()
         alive = [t for t in threading.enumerate() if t.is_alive()]
         res.threads_after_close = len(alive)
-        res.new_threads = sorted(t.name for t in alive if t.ident not in self._before)
+        res.compiling_after_close = sum(t.ident in compiling for t in alive)
+        res.new_threads = sorted(
+            t.name for t in alive if t.ident not in self._before and t.ident not in compiling
+        )
         res.native_threads_after_close = native_threads()
         logs.mkdir(parents=True, exist_ok=True)
         path = logs / f"rank{res.rank}.resources.json"

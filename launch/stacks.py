@@ -122,8 +122,14 @@ def _main_thread(text: str) -> list[tuple[str, int, str]]:
     return blocks[0][1] if blocks else []
 
 
+# The checkout (or installed package) root: our frames are named relative to it.
+_ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
 def _short(path: str) -> str:
-    for marker in ("/site-packages/", "/gramcoord/", "/main/", "/lib/python"):
+    if path.startswith(_ROOT):
+        return path[len(_ROOT) :]
+    for marker in ("/site-packages/", "/gramcoord/", "/lib/python"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path

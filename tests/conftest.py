@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -14,6 +15,13 @@ from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.sync.janitor import remove
 from tests.sync.transport_peers import ipc_dirs, shm_names
+
+# A suite started in the background (`cmd &`, nohup) inherits SIGINT ignored,
+# and Python then never raises KeyboardInterrupt. The Ctrl-C tests send real
+# SIGINTs to this process and to the runs it starts (which inherit the
+# disposition): give both Python's own handler, as a terminal would.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # $GRAMCOORD_DATA_DIR, else the full set in ../shared/data when it is there,
 # else the repo's own subset in tests/data (tests/data/README.md).

@@ -43,6 +43,7 @@ _UNSET: Any = object()
 
 _lock = threading.Lock()
 _in_flight = 0
+_callers: dict[int, int] = {}  # thread ident -> its counted calls in flight
 _closing = False
 _status: int | None = None
 _exit_code: Any = _UNSET
@@ -55,16 +56,24 @@ def in_flight() -> int:
     return _in_flight
 
 
+def threads_in_calls() -> frozenset[int]:
+    """Idents of the threads inside a counted native call now."""
+    with _lock:
+        return frozenset(_callers)
+
+
 @contextmanager
 def native_call() -> Iterator[None]:
     """Count the GIL-releasing native call inside; once exit has begun a
     thread other than the main one waits here for the process to end."""
     global _in_flight
     _hook_sys_exit()
+    me = threading.get_ident()
     with _lock:
         counted = not _closing
         if counted:
             _in_flight += 1
+            _callers[me] = _callers.get(me, 0) + 1
     if not counted and threading.current_thread() is not threading.main_thread():
         _parked.wait()
     try:
@@ -73,6 +82,10 @@ def native_call() -> Iterator[None]:
         if counted:
             with _lock:
                 _in_flight -= 1
+                if _callers[me] == 1:
+                    del _callers[me]
+                else:
+                    _callers[me] -= 1
 
 
 def exiting(status: int) -> int:
@@ -152,6 +165,12 @@ def _flush() -> None:
     """What finalization would have written: files, logging, stdio."""
     with suppress(Exception):
         weakref.finalize._exitfunc()  # type: ignore[attr-defined]
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:
+        # Its own atexit hook would unlink the named semaphores this process
+        # made (spawn-context queues and locks) and close its queues.
+        with suppress(Exception):
+            mp_util._run_finalizers(0)  # type: ignore[attr-defined]
     for obj in gc.get_objects():
         if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
             with suppress(Exception):
@@ -186,6 +205,7 @@ def _after_fork() -> None:
     global _lock, _in_flight, _closing
     _lock = threading.Lock()
     _in_flight, _closing = 0, False
+    _callers.clear()
 
 
 atexit.register(_at_exit)

@@ -153,6 +153,7 @@ _PACKAGES = {
     "benchmarks": "benchmarks",
     "configs": "configs",
     "dev_data": "tests/data",
+    "integrations": "integrations",
 }
 # Data files that must travel with the package (`gramcoord bench`, the
 # default config run), licences included.

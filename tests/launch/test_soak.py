@@ -59,6 +59,10 @@ def test_short_soak_leaks_nothing_and_hostile_records_fail_alone(tmp_path, capfd
                 f"workload.mix_path={HOSTILE}",
                 f"workload.path={CONFIGS / 'workload.jsonl'}",
                 "distributed.run_timeout_s=300",
+                # Deadlines are not under test here: enum-10k compiles in
+                # about a second on a quiet machine and may take many on a
+                # busy one (the hostile corpus expects no timeout).
+                "grammar.compile_timeout_s=600",
             ),
         ]
     )

@@ -45,8 +45,8 @@ def test_waiting_in_reads_the_current_thread_of_a_faulthandler_dump():
         "\n"
         "Current thread 0x00007f0000000002 (most recent call first):\n"
         '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 3950 in all_gather\n'
-        '  File "/r/main/coordinator/agreement.py", line 118 in _exchange\n'
-        '  File "/r/main/launch/procs.py", line 210 in _child\n'
+        f'  File "{stacks._ROOT}coordinator/agreement.py", line 118 in _exchange\n'
+        f'  File "{stacks._ROOT}launch/procs.py", line 210 in _child\n'
     )
     assert stacks.waiting_in(text) == (
         "waiting in all_gather (torch/distributed/distributed_c10d.py:3950)"
