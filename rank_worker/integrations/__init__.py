@@ -14,10 +14,6 @@ module                    integration
                           ``generate``, ``finish`` after it) and its
                           ``GrammarLogitsProcessor``. Needs ``transformers``
                           (the ``hf`` extra).
-``vllm_backend``          vLLM V1-shaped backend and grammar over a session
-                          (vLLM itself is not imported).
-``vllm_manager``          the ``StructuredOutputManager`` role: ``update(step)``
-                          at the top of every ``schedule()``.
 ``hf_processor``          the ``hf`` integration's collective-free
                           ``GrammarLogitsProcessor``.
 ``sglang_manager``        SGLang-shaped grammar manager over a session: the
@@ -28,11 +24,12 @@ module                    integration
 ``examples.hf_generate``  runnable ``hf`` example: tiny in-process Qwen2 model,
                           real Qwen2.5 vocabulary, ``python -m`` or
                           ``torchrun -m``.
-``examples.vllm_engine``  runnable miniature vLLM-shaped engine on the
-                          ``vllm_backend`` adapter.
 ``examples.sglang_        runnable miniature SGLang scheduler loop on the
 scheduler``               ``sglang_manager`` drop-in.
 ========================  =======================================================
+
+vLLM is served by the plugin in ``gramcoord.integrations.vllm`` (inside the
+real engine), not here.
 
 The modules are not imported here, so ``gramcoord.rank_worker.integrations``
 imports without their optional dependencies.
