@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -25,7 +24,7 @@ from vllm.v1.structured_output.backend_types import (
     StructuredOutputGrammar,
     StructuredOutputOptions,
 )
-from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
 from gramcoord.integrations.vllm.agreement import Agreement
 from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
@@ -34,13 +33,10 @@ from gramcoord.rank_worker.grammars.compile_service import _choice_ebnf
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 
-__all__ = ["FAIL_COMPILE_ENV", "GramcoordBackend", "GramcoordGrammar", "grammar_config"]
+__all__ = ["GramcoordBackend", "GramcoordGrammar", "grammar_config"]
 
 logger = logging.getLogger(__name__)
 
-# "RANK:REGEX": on that global rank, compiles whose spec matches REGEX raise
-# (fault injection for the one-rank-fails test).
-FAIL_COMPILE_ENV = "GRAMCOORD_VLLM_FAIL_COMPILE"
 # Options of additional_config["gramcoord"]["grammar"] that do not change
 # which specs are accepted (the front end validates with the defaults).
 _ENGINE_OPTIONS = frozenset(
@@ -95,59 +91,13 @@ def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[st
 
 
 @dataclass
-class GramcoordGrammar(StructuredOutputGrammar):
-    """One request's matcher; behaves exactly as vLLM's ``XgrammarGrammar``."""
+class GramcoordGrammar(XgrammarGrammar):
+    """One request's matcher: vLLM's own ``XgrammarGrammar`` (accept, validate,
+    rollback, tokens after termination, bitmask fill), so the engine's
+    per-token behaviour is exactly vLLM's; gramcoord decides only when it
+    exists (the agreement)."""
 
-    matcher: xgr.GrammarMatcher
-    vocab_size: int
     request_id: str = ""
-    num_processed_tokens: int = field(default=0, init=False)
-    _is_terminated: bool = field(default=False, init=False)
-
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        """Advance; tokens after termination are accepted and ignored (as vLLM)."""
-        if self._is_terminated:
-            return True
-        for token in tokens:
-            if not self.matcher.accept_token(token):
-                logger.error("gramcoord: request %s: grammar rejected token %s", request_id, token)
-                return False
-            self.num_processed_tokens += 1
-            self._is_terminated = self.matcher.is_terminated()
-            if self._is_terminated:
-                break
-        return True
-
-    def validate_tokens(self, tokens: list[int]) -> list[int]:
-        """The accepted prefix of ``tokens``; the state is left unchanged."""
-        if self._is_terminated:
-            return []
-        accepted: list[int] = []
-        for token in tokens:
-            if not self.matcher.accept_token(token):
-                break
-            accepted.append(token)
-            if self.matcher.is_terminated():
-                break
-        if accepted:
-            self.matcher.rollback(len(accepted))
-        return accepted
-
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
-        self.num_processed_tokens -= num_tokens
-        self._is_terminated = self.matcher.is_terminated()
-
-    def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, idx)
-
-    def is_terminated(self) -> bool:
-        return self._is_terminated
-
-    def reset(self) -> None:
-        self.num_processed_tokens = 0
-        self._is_terminated = False
-        self.matcher.reset()
 
 
 @dataclass
@@ -167,7 +117,6 @@ class GramcoordBackend(StructuredOutputBackend):
         faults = RankFaults.of(
             msgspec.convert(extra.get("faults", {}), FaultsConfig), self.global_rank
         )
-        self.fail_pattern = _fail_pattern(self.global_rank)
         model = self.vllm_config.model_config
         vocab = f"vllm:{model.tokenizer}:{self.vocab_size}"
         self.manager = GrammarManager(
@@ -185,8 +134,6 @@ class GramcoordBackend(StructuredOutputBackend):
 
     def _compile_spec(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """A validated spec compiled exactly as vLLM's xgrammar backend compiles it."""
-        if self.fail_pattern is not None and self.fail_pattern.search(spec.text):
-            raise RuntimeError(f"injected compile failure on rank {self.global_rank}")
         if spec.kind == "choice":  # vLLM's validation turns choices into grammars first
             return self.host.compiler.compile_grammar(_choice_ebnf(spec.text))
         text = "" if spec.kind == "json_object" else spec.text
@@ -198,7 +145,12 @@ class GramcoordBackend(StructuredOutputBackend):
             override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
             max_rollback_tokens=self.num_speculative_tokens,
         )
-        return GramcoordGrammar(matcher, self.vocab_size, request_id)
+        return GramcoordGrammar(
+            vocab_size=self.vocab_size,
+            matcher=matcher,
+            ctx=self.manager.compiled(request_id),
+            request_id=request_id,
+        )
 
     def compile_grammar(
         self,
@@ -213,7 +165,7 @@ class GramcoordBackend(StructuredOutputBackend):
             override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
             max_rollback_tokens=self.num_speculative_tokens,
         )
-        return GramcoordGrammar(matcher, self.vocab_size)
+        return GramcoordGrammar(vocab_size=self.vocab_size, matcher=matcher, ctx=ctx)
 
     # -- the engine's path -----------------------------------------------------
 
@@ -259,11 +211,3 @@ class _Vocab:
 
     def __init__(self, name: str) -> None:
         self.name = name
-
-
-def _fail_pattern(rank: int) -> re.Pattern[str] | None:
-    value = os.environ.get(FAIL_COMPILE_ENV, "")
-    if not value:
-        return None
-    target, _, pattern = value.partition(":")
-    return re.compile(pattern) if int(target) == rank else None

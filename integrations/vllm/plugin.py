@@ -82,6 +82,12 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         ("self", "request_type", "grammar_spec", "stop_token_ids"),
         "vLLM's tokenizer info and compile calls, reused for identical outputs",
     ),
+    (
+        "vllm.v1.structured_output.backend_xgrammar",
+        "XgrammarGrammar",
+        ("vocab_size", "matcher", "ctx", "_is_terminated"),
+        "subclassed: vLLM's own per-token accept, validate, rollback and bitmask fill",
+    ),
 )
 
 

@@ -2,7 +2,21 @@
 
 Usage: ``tp_driver.py MODEL_DIR REQUESTS_JSON OUT_DIR``. Every rank adds the
 same requests, steps the engine itself and writes ``rank<R>.json``: per
-request its tokens, finish reason and the engine step it finished in.
+request its tokens, finish reason, and the engine steps of its first output
+and of its end. Wall times, which differ between ranks, go to
+``rank<R>.times.json``.
+
+Two faults are injected here, into the backend's compile function, by the
+test's environment:
+
+- ``GATE_MARK``: a spec whose text contains it compiles for real, then waits
+  until this rank has finished every request of its batch without that mark
+  (or ``GATE_S`` passed: ``gate_timed_out`` is recorded, and also when no
+  gated compile ran). Were any rank's
+  fast requests held up by the slow compile, they would not finish and the
+  gate would time out.
+- ``FAIL_MARK`` (``RANK:TEXT``): on that rank, a spec containing ``TEXT``
+  fails to compile.
 """
 
 from __future__ import annotations
@@ -10,7 +24,29 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
+
+GATE_S = 240.0
+
+
+def _inject(rank: int, gate: threading.Event, held: dict[str, bool]) -> None:
+    from gramcoord.integrations.vllm.backend import GramcoordBackend
+
+    gate_mark = os.environ.get("GATE_MARK", "")
+    fail_rank, _, fail_mark = os.environ.get("FAIL_MARK", "").partition(":")
+    compile_spec = GramcoordBackend._compile_spec
+
+    def injected(self, spec):
+        if fail_mark and int(fail_rank) == rank and fail_mark in spec.text:
+            raise RuntimeError(f"injected compile failure on rank {rank}")
+        compiled = compile_spec(self, spec)
+        if gate_mark and gate_mark in spec.text:
+            held["gate_timed_out"] = not gate.wait(GATE_S)
+        return compiled
+
+    GramcoordBackend._compile_spec = injected
 
 
 def main() -> None:
@@ -19,6 +55,9 @@ def main() -> None:
     from gramcoord.integrations.vllm.plugin import register
 
     register()
+    gate = threading.Event()
+    held: dict[str, bool] = {}
+    _inject(rank, gate, held)
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -33,8 +72,12 @@ def main() -> None:
         **ENGINE_KW,
     )
     engine = llm.llm_engine
+    gate_mark = os.environ.get("GATE_MARK", "")
     result: dict[str, dict] = {}
+    times: dict[str, float] = {}
+    t0 = time.monotonic()
     for batch in json.loads(requests_path.read_text()):
+        ungated: set[str] = set()
         for r in batch:
             params = SamplingParams(
                 temperature=0.0,
@@ -42,25 +85,37 @@ def main() -> None:
                 structured_outputs=StructuredOutputsParams(json=r["schema"]),
             )
             engine.add_request(r["id"], r["prompt"], params)
+            if not gate_mark or gate_mark not in json.dumps(r["schema"]):
+                ungated.add(r["id"])
+        first: dict[str, int] = {}
         step = 0
         while engine.has_unfinished_requests():
             step += 1
             for o in engine.step():
+                first.setdefault(o.request_id, step)
                 if o.finished:
                     c = o.outputs[0]
+                    times[o.request_id] = round(time.monotonic() - t0, 3)
                     result[o.request_id] = {
                         "tokens": list(c.token_ids),
                         "reason": c.finish_reason,
                         "step": step,
+                        "first_step": first[o.request_id],
                     }
-    backend = engine.engine_core.engine_core.scheduler.structured_output_manager.backend
+            if ungated and ungated <= result.keys() and not gate.is_set():
+                times["gate_released"] = round(time.monotonic() - t0, 3)
+                gate.set()
+    times["gate_timed_out"] = held.get("gate_timed_out", bool(gate_mark))
+    scheduler = engine.engine_core.engine_core.scheduler
+    backend = scheduler.structured_output_manager.backend
     result["_stats"] = {
         "num_live": backend.num_live,
         "group_size": backend.agreement.size,
         "collectives": backend.agreement.num_collectives,
-        "async": engine.engine_core.engine_core.scheduler.structured_output_manager._use_async_grammar_compilation,
+        "async": scheduler.structured_output_manager._use_async_grammar_compilation,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    (out / f"rank{rank}.times.json").write_text(json.dumps(times))
 
 
 if __name__ == "__main__":
