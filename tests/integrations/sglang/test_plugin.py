@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from tests.integrations.sglang.host import host  # noqa: E402
+from tests.integrations.sglang.host import host
 
 pytestmark = pytest.mark.timeout(300)
 
