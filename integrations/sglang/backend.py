@@ -229,7 +229,9 @@ class GramcoordBackend(BaseGrammarBackend):
         poisoned = self.manager.poison.get(gspec.key, self.manager.agreed_ms)
         if poisoned is not None:
             code = ErrorCode.name_of(poisoned.reason)
-            return InvalidGrammarObject(f"{code}: poisoned key: {poisoned.message}"), True
+            # The stored text is the failing rank's own; the group aborts with one text.
+            why = poisoned.message if self.agreement.size == 1 else "failed earlier in the group"
+            return InvalidGrammarObject(f"{code}: poisoned key: {why}"), True
         self._origin.setdefault(gspec.key, key)
         return self.agreement.submit(_digest(key), spec, key), False
 

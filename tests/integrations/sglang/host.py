@@ -36,7 +36,7 @@ class Host:
     server_args: Any
 
 
-def publish(grammar_backend: str, model_path: str) -> Any:
+def publish(grammar_backend: str, model_path: str, tp_size: int = 1) -> Any:
     """Publish SGLang's runtime context for ``grammar_backend``; returns the ``ServerArgs``."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
@@ -44,7 +44,9 @@ def publish(grammar_backend: str, model_path: str) -> Any:
     from gramcoord.integrations.sglang.plugin import register
 
     register()
-    args = ServerArgs(model_path=model_path, grammar_backend=grammar_backend, device="cpu")
+    args = ServerArgs(
+        model_path=model_path, grammar_backend=grammar_backend, device="cpu", tp_size=tp_size
+    )
     args._resolution_finished = True  # resolution would load the model's config
     runtime_context.publish(args, role="test")
     runtime_context.get_parallel().override_permanently(pp_rank=0)
@@ -52,14 +54,14 @@ def publish(grammar_backend: str, model_path: str) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def host(grammar_backend: str = "gramcoord") -> Host:
-    """The Qwen2.5 tokenizer and SGLang's context, once per process."""
+def host(grammar_backend: str = "gramcoord", tp_size: int = 1) -> Host:
+    """The Qwen2.5 tokenizer and SGLang's context (``tp_size`` TP ranks), once per process."""
     from gramcoord.rank_worker.integrations.examples.hf_generate import qwen25_hf_tokenizer
 
     tokenizer = qwen25_hf_tokenizer()
     path = tempfile.mkdtemp(prefix="gramcoord-sglang-tok-")
     tokenizer.save_pretrained(path)
-    args = publish(grammar_backend, path)
+    args = publish(grammar_backend, path, tp_size)
     return Host(tokenizer, VOCAB_SIZE, set(EOS_IDS), args)
 
 
