@@ -56,8 +56,10 @@ lint: $(STAMP)
 # The engine tests fail, not skip, where vLLM is missing.
 VLLM_TEST := GRAMCOORD_REQUIRE_VLLM=1 OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest tests/integrations/vllm
 
+# Two pytest workers, a test module each at a time (module fixtures run once):
+# most multi-rank tests wait on timeouts and peers as much as they compute.
 test: lint $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope
 	$(VLLM_TEST)
 
 test-vllm: $(VLLM_STAMP)

@@ -148,6 +148,7 @@ def _poison_rows(manager: GrammarManager, tokenizer, data: Path, repeat: int) ->
         for spec in specs:
             manager.add(f"bad{next(_counter)}", spec)
         while manager.num_pending:
+            manager.wait_pending(0.05)
             manager.step()
         sglang = {_spec_text(s): "invalid" for s in specs}
         times: list[tuple[float, ...]] = []

@@ -227,6 +227,7 @@ def test_shipped_workload_verdicts(tiny_tokenizer):
                 got[rec.id], cache[rec.id] = out.code, out.cache
             # Drain as we go, so a repeated bad spec meets its poisoned key.
             while manager.num_pending:
+                manager.wait_pending(0.05)  # sleep on the compile pool, never spin
                 for o in manager.step():
                     got[o.request_id], cache[o.request_id] = o.code, o.cache
         for rec in recs:
