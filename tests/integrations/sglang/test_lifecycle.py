@@ -1,0 +1,124 @@
+"""SGLang's real ``GrammarManager`` over our backend in one process: the paths around readiness.
+
+Aborts (``abort_requests``), SGLang's own poll-count timeout (the request
+is cancelled, and ``set_cache`` poisons the key for a TTL where SGLang
+would cache the failure for ever), ``flush_cache`` (``clear``), and the
+setups ``create_backend`` refuses at start.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from tests.integrations.sglang.host import host, publish
+from tests.integrations.sglang.ranks import Req, drive, schemas
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """Compiles wait until the test releases them."""
+    from gramcoord.integrations.sglang.backend import GramcoordBackend
+
+    gate = threading.Event()
+    real = GramcoordBackend._compile
+
+    def compile_(self, spec):
+        gate.wait(30)
+        return real(self, spec)
+
+    monkeypatch.setattr(GramcoordBackend, "_compile", compile_)
+    yield gate
+    gate.set()
+
+
+@pytest.fixture
+def manager():
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+
+    h = host()
+    one = SimpleNamespace(cpu_group=None, world_size=1, first_rank=0, is_first_rank=True)
+    scheduler = SimpleNamespace(
+        server_args=h.server_args,
+        tokenizer=h.tokenizer,
+        model_config=SimpleNamespace(
+            vocab_size=h.vocab_size, hf_eos_token_id=h.eos_token_ids, think_end_ids=None
+        ),
+        dp_tp_cpu_group=None,
+        dp_tp_group=one,
+        pp_group=None,
+    )
+    m = GrammarManager(scheduler)
+    yield m
+    m.grammar_backend.close()
+
+
+def test_abort_releases_our_state(held, manager) -> None:
+    backend = manager.grammar_backend
+    req = Req("r0", schemas()[0])
+    assert manager.process_req_with_grammar(req)
+    assert backend.agreement.num_pending == 1
+    manager.abort_requests(SimpleNamespace(rid="r0", abort_all=False))
+    (back,) = manager.get_ready_grammar_requests()
+    assert back is req and req.finished()
+    assert backend.agreement.num_pending == 0
+    assert backend.manager.num_live == 0
+
+
+def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
+    backend = manager.grammar_backend
+    manager.SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = 2
+    schema = schemas()[1]
+    log = drive(manager, {0: [Req("t0", schema)]})
+    assert log[-1][1:] == (
+        "t0",
+        f"aborted: Grammar preprocessing timed out: req.grammar_key={('json', schema)!r}",
+    )
+    assert backend.manager.num_live == 0
+    again = Req("t1", schema)
+    assert not manager.process_req_with_grammar(again)  # refused at once: poisoned
+    assert "grammar_timeout: poisoned key" in again.finished_reason
+    (entry,) = backend.manager.poison._items.values()
+    assert entry.expires_ms > 0  # a TTL, not for ever
+
+
+def test_flush_cache_drops_compiled_grammars(manager) -> None:
+    schema = schemas()[2]
+    log = drive(manager, {0: [Req("f0", schema)]})
+    assert log[-1][2] == "GramcoordGrammar"
+    hit = Req("f1", schema)
+    assert not manager.process_req_with_grammar(hit)  # SGLang's cache-hit path
+    assert type(hit.grammar).__name__ == "GramcoordGrammar"
+    manager.clear()
+    assert manager.process_req_with_grammar(Req("f2", schema))  # compiles again
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        pytest.param({"reasoning_parser": "qwen3"}, id="reasoning-parser"),
+        pytest.param({"pp_size": 2}, id="pipeline"),
+    ],
+)
+def test_unsupported_setups_are_refused_at_start(option) -> None:
+    from sglang.srt import runtime_context
+    from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+    from sglang.srt.server_args import ServerArgs
+
+    h = host()
+    args = ServerArgs(
+        model_path=h.server_args.model_path, grammar_backend="gramcoord", device="cpu", **option
+    )
+    args._resolution_finished = True
+    runtime_context.publish(args, role="test")
+    try:
+        with pytest.raises(ValueError, match="does not support"):
+            create_grammar_backend(args, h.tokenizer, h.vocab_size, h.eos_token_ids)
+    finally:
+        publish("gramcoord", h.server_args.model_path)
