@@ -20,9 +20,9 @@ after its own collective, on the same requests, in the same order, and a
 decision (identical everywhere) is only ever computed there. No collective
 runs while nothing is pending. Where SGLang's own sync pairs different
 requests (queues that differ but are both non-empty), the fingerprints
-differ and ``AgreementDivergence`` names the ranks: SGLang turns it into an
-invalid grammar and aborts the request on every rank, never admitting the
-wrong one. Where a rank's queue is empty, SGLang's ``has_waiting_grammars``
+differ: every rank fails all its pending requests with one message that
+names the ranks and the first differing request (``AgreementDivergence``'s
+text), so SGLang aborts them and no rank admits the wrong one. Where a rank's queue is empty, SGLang's ``has_waiting_grammars``
 guard keeps it out of SGLang's own all_gather; that collective is SGLang's,
 before any of ours, and ends only at the group's timeout (see
 ``backend``'s docstring for why supported setups never get there).
@@ -184,24 +184,48 @@ class Agreement:
             decision = decide_alone(self._step, status, clock)
             failing: dict[int, tuple[int, ...]] = {}
         else:
-            decision, failing = self._gather(status, clock)
+            try:
+                decision, failing = self._gather(status, clock)
+            except AgreementDivergence as exc:
+                self._fail_all(str(exc))
+                return
         for outcome in self.manager.apply_decision(decision):
             self._settle(outcome, failing.get(outcome.seq, ()))
 
-    def _fingerprint(self, seqs: tuple[int, ...]) -> int:
-        h = hashlib.blake2b(digest_size=8)
+    def _fail_all(self, message: str) -> None:
+        """Ranks disagree on what is pending: fail all of it here, so every
+        rank's window is empty again and none admits a request another lacks."""
+        logger.error("%s", message)
+        for seq in list(self._futures):
+            future = self._futures.pop(seq)
+            self._keys.pop(seq, None)
+            self._labels.pop(seq, None)
+            self.manager.abort(_rid(seq))
+            if not Future.done(future):
+                future.set_result(self._invalid(message))
+
+    def _slot_ids(self, seqs: tuple[int, ...]) -> list[int]:
+        """One int64 per pending request: its seq and key, hashed."""
+        out = []
         for s in seqs:
-            h.update(s.to_bytes(8, "little"))
-            h.update(self._keys.get(s, b""))
+            h = hashlib.blake2b(s.to_bytes(8, "little") + self._keys.get(s, b""), digest_size=8)
+            out.append(int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF)
+        return out
+
+    @staticmethod
+    def _fingerprint(slot_ids: list[int]) -> int:
+        h = hashlib.blake2b(np.asarray(slot_ids, dtype=np.int64).tobytes(), digest_size=8)
         return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
     def _gather(self, status: Any, clock: int) -> tuple[Decision, dict[int, tuple[int, ...]]]:
         n = len(status.seqs)
         width = self.manager.config.max_pending
-        row = np.zeros(_HEAD + 2 * width, dtype=np.int64)
-        row[:_HEAD] = (self._step, n, self._fingerprint(status.seqs), clock)
+        slots = self._slot_ids(status.seqs)
+        row = np.zeros(_HEAD + 3 * width, dtype=np.int64)
+        row[:_HEAD] = (self._step, n, self._fingerprint(slots), clock)
         row[_HEAD : _HEAD + n] = status.states
         row[_HEAD + width : _HEAD + width + n] = status.reasons
+        row[_HEAD + 2 * width : _HEAD + 2 * width + n] = slots
         mine = torch.from_numpy(row)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(rows, mine, group=self.group)
@@ -209,12 +233,18 @@ class Agreement:
         got = torch.stack(rows).numpy()
         odd = [r for r in range(self.size) if (got[r, :3] != got[0, :3]).any()]
         if odd:
+            ids = got[:, _HEAD + 2 * width :]
+            lengths = got[:, 1]
+            first = next(
+                (i for i in range(width) if (ids[:, i] != ids[0, i]).any()), int(lengths.min())
+            )
             raise AgreementDivergence(
                 f"gramcoord: grammar agreement {self._step}: ranks {odd} of SGLang's sync group "
                 f"report (step, pending, fingerprint) {got[odd[0], :3].tolist()} but rank 0 "
-                f"reports {got[0, :3].tolist()}; this rank's first pending request is seq "
-                f"{status.seqs[0] if n else None}. Every rank of the group must receive the "
-                "same constrained requests in the same order"
+                f"reports {got[0, :3].tolist()}; the first differing pending request is number "
+                f"{first} (pending per rank: {lengths.tolist()}). Every rank of the group must "
+                "receive the same constrained requests in the same order; the pending requests "
+                "are failed on every rank"
             )
         states = got[:, _HEAD : _HEAD + n]
         reasons = got[:, _HEAD + width : _HEAD + width + n]

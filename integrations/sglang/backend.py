@@ -28,8 +28,9 @@ spec) change only at agreed points (the decision inside ``result()``,
 poison TTLs run on the agreed clock. A host that hands a request to some
 ranks of the group only is outside what a backend can repair: SGLang's own
 all_gather then waits on the rank with the request until the group's
-timeout; where both queues are non-empty the fingerprint check refuses to
-admit the mismatched request (``AgreementDivergence``).
+timeout; where both queues are non-empty the fingerprint check fails every
+pending request on every rank rather than admit a mismatched one
+(``agreement.AgreementDivergence``'s message).
 """
 
 from __future__ import annotations

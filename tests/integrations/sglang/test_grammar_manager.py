@@ -8,7 +8,8 @@
   message, and the key is poisoned on both (a resubmission fails at once);
 - mismatched queues (rank 0 got a request rank 1 never did): SGLang pairs
   queue positions, so it would hand rank 0's ``c0`` and rank 1's ``c1`` the
-  same slot; our fingerprint refuses, and both abort that slot's request.
+  same slot; our fingerprint refuses, every rank fails all its pending
+  requests with one message, and both abort that slot's request.
   Then rank 1's queue is empty: SGLang's ``has_waiting_grammars`` guard keeps
   it out of SGLang's own all_gather, and rank 0 fails there (gloo: peer gone
   or the group's timeout) instead of hanging. A host that broadcasts every
@@ -65,6 +66,8 @@ def test_mismatched_queues_never_admit_the_wrong_request(results) -> None:
     for row in (a[0], b[0]):
         assert row[2].startswith("aborted: ")
         assert "ranks [1] of SGLang's sync group report" in row[2]
+        assert "first differing pending request is number 0 (pending per rank: [2, 1])" in row[2]
+    assert a[0][2] == b[0][2]  # one message on every rank
     assert a[0][0] == b[0][0]  # the same iteration
     # Then only rank 0 has a queued request: SGLang's own all_gather fails
     # there (here: rank 1 has left; alive, it would be the group's 5 s timeout).

@@ -102,7 +102,11 @@ def test_masks_equal_sglangs_xgrammar_backend(backends) -> None:
 
     ours_b, theirs_b = backends
     vocab = host().vocab_size
-    keys = [("json", s) for s in _schemas()] + [("regex", r"[a-z]{2,6}-\d{3}")]
+    keys = [("json", s) for s in _schemas()] + [
+        ("regex", r"[a-z]{2,6}-\d{3}"),
+        ("ebnf", 'root ::= "id: " [0-9]+ ("," [a-z]+)*'),
+        ("json", "$$ANY$$"),
+    ]
     ours = _grammars(ours_b, keys)
     theirs = _grammars(theirs_b, keys)
     assert [type(g).__name__ for g in ours] == ["GramcoordGrammar"] * len(keys)
