@@ -49,6 +49,25 @@ IDS = (
     "BFCL_multiple/BFCL_multiple_95",
 )
 STEPS = 40
+# SGLang's two structural-tag forms: the legacy structures/triggers and xgrammar's format.
+LEGACY_TAG = {
+    "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+    "triggers": ["<f>"],
+}
+TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<f>"],
+        "tags": [
+            {
+                "begin": "<f>",
+                "content": {"type": "json_schema", "json_schema": {"type": "object"}},
+                "end": "</f>",
+            }
+        ],
+    },
+}
 
 
 def _schemas() -> list[str]:
@@ -106,6 +125,8 @@ def test_masks_equal_sglangs_xgrammar_backend(backends) -> None:
         ("regex", r"[a-z]{2,6}-\d{3}"),
         ("ebnf", 'root ::= "id: " [0-9]+ ("," [a-z]+)*'),
         ("json", "$$ANY$$"),
+        ("structural_tag", json.dumps(LEGACY_TAG)),
+        ("structural_tag", json.dumps(TAG)),
     ]
     ours = _grammars(ours_b, keys)
     theirs = _grammars(theirs_b, keys)
