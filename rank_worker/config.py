@@ -59,6 +59,11 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     num_stuck_compiles: NonNegInt = 0
     # Wall-clock deadline of one compile, in seconds.
     compile_timeout_s: PositiveFloat = 30.0
+    # Linux nice increment of the compile pool's threads (xgrammar's own
+    # compile threads inherit it): > 0 lets the step loop preempt compiles on
+    # a busy CPU. 0 keeps the process's priority. Ignored in sync mode (the
+    # compile runs on the step loop's thread) and where the OS lacks it.
+    compile_nice: Annotated[int, Meta(ge=0, le=19)] = 0
     # How long a TIMEOUT poison entry bans its key. INVALID is permanent.
     poison_ttl_s: PositiveFloat = 300.0
     # Compile-cache bound in MiB of xgrammar's reported memory size.

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 _ENGINE_OPTIONS = frozenset(
     {
         "compile_timeout_s",
+        "compile_nice",
         "num_compile_workers",
         "num_stuck_compiles",
         "poison_ttl_s",
@@ -62,7 +63,8 @@ _KIND_TO_VLLM = {
 
 
 def grammar_config(disable_any_whitespace: bool, options: dict[str, Any] | None = None):
-    """The ``GrammarConfig`` for vLLM: vLLM's whitespace rule, a compile pool of 2+.
+    """The ``GrammarConfig`` for vLLM: vLLM's whitespace rule, a compile pool of 2+
+    whose threads run at nice +10.
 
     ``options`` (``additional_config["gramcoord"]["grammar"]``) may set only
     engine-side options; spec rules stay the defaults the front end checks.
@@ -74,8 +76,10 @@ def grammar_config(disable_any_whitespace: bool, options: dict[str, Any] | None 
             f"additional_config['gramcoord']['grammar'] may set only {sorted(_ENGINE_OPTIONS)}; "
             f"got {bad}"
         )
-    # One slow compile must not queue the fast ones behind it.
+    # One slow compile must not queue the fast ones behind it, nor starve
+    # the engine loop of CPU (compile threads yield to the loop).
     options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
+    options.setdefault("compile_nice", 10)
     return msgspec.convert(
         {**options, "compile_mode": "async", "any_whitespace": not disable_any_whitespace},
         GrammarConfig,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -179,6 +180,7 @@ class CompileService:
         self.timeout_s = config.compile_timeout_s
         self.pool_size = config.pool_size
         self.stuck_limit = config.stuck_limit
+        self.nice = config.compile_nice
         self._compile = compile_fn
         self._clock = clock
         self._lock = threading.Lock()
@@ -202,6 +204,7 @@ class CompileService:
         t.start()
 
     def _worker(self) -> None:
+        _lower_priority(self.nice)
         while True:
             job = self._queue.get()
             if job is None:
@@ -340,3 +343,15 @@ class CompileService:
                     job.fail(ErrorCode.aborted, "compile service closed")
         for _ in range(self._num_threads):
             self._queue.put(None)
+
+
+def _lower_priority(increment: int) -> None:
+    """Lower the calling thread's CPU priority by ``increment`` (Linux: nice is
+    per thread, and threads it starts inherit it); a no-op elsewhere."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except OSError as exc:  # a sandbox may forbid it; compiles still run
+        logger.debug("compile thread priority unchanged: %s", exc)
