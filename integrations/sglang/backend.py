@@ -79,9 +79,11 @@ def grammar_config(**options: Any) -> GrammarConfig:
 
     ``reject_ignored_features`` is off (SGLang's own schema check runs at
     compile and refuses what it does not enforce); a compile pool of 2+
-    so one slow compile does not queue the fast ones behind it.
+    so one slow compile does not queue the fast ones behind it, whose
+    threads run at nice +10 so a compile storm cannot starve the scheduler.
     """
     options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
+    options.setdefault("compile_nice", 10)
     options.setdefault("reject_ignored_features", False)
     return msgspec.convert({**options, "compile_mode": "async"}, GrammarConfig)
 
