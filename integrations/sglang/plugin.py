@@ -4,9 +4,12 @@ SGLang 0.5.23 has a sanctioned extension point: ``create_grammar_backend``
 looks the configured name up in ``GRAMMAR_BACKEND_REGISTRY`` first
 (``register_grammar_backend(name, init_func)``), and
 ``add_grammar_backend_choices`` widens the CLI's choices. ``register()``
-uses both and patches nothing; call it before ``ServerArgs`` is parsed
-(and in every scheduler process, e.g. from a ``sitecustomize`` or the
-launching script). Every SGLang internal this package touches is in
+uses both and patches nothing. SGLang runs it itself as a general plugin
+(entry point group ``sglang.srt.plugins``, loaded by ``launch_server`` and
+``Engine`` before arguments are parsed, and in every scheduler process)
+once the installed gramcoord declares ``gramcoord =
+"gramcoord.integrations.sglang.plugin:register"`` in that group; without
+the entry point, call it before ``ServerArgs`` is parsed, in every process. Every SGLang internal this package touches is in
 ``INTERNALS``; ``check_internals`` (run by the tests and by ``register``)
 checks each still exists with the parameters expected.
 """

@@ -71,3 +71,53 @@ def test_version_check(monkeypatch, version: str, ok: bool) -> None:
     else:
         with pytest.raises(RuntimeError, match=r"supports SGLang 0\.5\.x"):
             plugin._check_version()
+
+
+ENTRY_POINT = "gramcoord.integrations.sglang.plugin:register"
+_PROBE = """
+import sys
+from tests.integrations.sglang.torchvision_standin import install
+install()
+from sglang.srt.plugins import load_plugins
+from sglang.srt.constrained.base_grammar_backend import GRAMMAR_BACKEND_REGISTRY
+from sglang.srt.arg_groups.choices import GRAMMAR_BACKEND_CHOICES
+assert "gramcoord" not in GRAMMAR_BACKEND_REGISTRY
+load_plugins()
+print("registered" if "gramcoord" in GRAMMAR_BACKEND_REGISTRY
+      and "gramcoord" in GRAMMAR_BACKEND_CHOICES else "missing")
+"""
+
+
+def test_sglangs_load_plugins_runs_register(tmp_path) -> None:
+    """SGLang's general-plugin entry point group (``sglang.srt.plugins``), which
+    ``launch_server``, ``Engine`` and every scheduler process load before
+    parsing arguments, runs ``register``. The entry point is declared in a
+    temporary distribution here, so the test holds whether or not the
+    installed gramcoord declares it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dist = tmp_path / "gramcoord_probe-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: gramcoord-probe\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(f"[sglang.srt.plugins]\ngramcoord = {ENTRY_POINT}\n")
+    root = Path(__file__).resolve().parents[3]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)]),
+        "SGLANG_PLUGINS": "gramcoord",
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "registered", out.stderr[-3000:]
