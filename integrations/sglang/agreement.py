@@ -30,7 +30,6 @@ before any of ours, and ends only at the group's timeout (see
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -38,12 +37,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from gramcoord.coordinator.coordinator import wall_clock_ms
 from gramcoord.coordinator.status import Decision, PendingState, decide_alone
+from gramcoord.integrations.pending_report import PendingDivergence, gather_decision, slot_id
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 
@@ -51,13 +49,9 @@ __all__ = ["AgreedFuture", "Agreement", "AgreementDivergence"]
 
 logger = logging.getLogger(__name__)
 
-# Header of one rank's report: step, window length, fingerprint, wall clock.
-_HEAD = 4
 
-
-class AgreementDivergence(RuntimeError):
-    """The ranks of the sync group hold different pending requests."""
-
+# The ranks of the sync group hold different pending requests.
+AgreementDivergence = PendingDivergence
 
 # Builds the host's grammar object: (request id, label given at submit).
 BuildFn = Callable[[str, Any], Any]
@@ -186,8 +180,8 @@ class Agreement:
         else:
             try:
                 decision, failing = self._gather(status, clock)
-            except AgreementDivergence as exc:
-                self._fail_all(str(exc))
+            except PendingDivergence as exc:
+                self._fail_all(f"{exc}; the pending requests are failed on every rank")
                 return
         for outcome in self.manager.apply_decision(decision):
             self._settle(outcome, failing.get(outcome.seq, ()))
@@ -204,61 +198,18 @@ class Agreement:
             if not Future.done(future):
                 future.set_result(self._invalid(message))
 
-    def _slot_ids(self, seqs: tuple[int, ...]) -> list[int]:
-        """One int64 per pending request: its seq and key, hashed."""
-        out = []
-        for s in seqs:
-            h = hashlib.blake2b(s.to_bytes(8, "little") + self._keys.get(s, b""), digest_size=8)
-            out.append(int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF)
-        return out
-
-    @staticmethod
-    def _fingerprint(slot_ids: list[int]) -> int:
-        h = hashlib.blake2b(np.asarray(slot_ids, dtype=np.int64).tobytes(), digest_size=8)
-        return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
-
     def _gather(self, status: Any, clock: int) -> tuple[Decision, dict[int, tuple[int, ...]]]:
-        n = len(status.seqs)
-        width = self.manager.config.max_pending
-        slots = self._slot_ids(status.seqs)
-        row = np.zeros(_HEAD + 3 * width, dtype=np.int64)
-        row[:_HEAD] = (self._step, n, self._fingerprint(slots), clock)
-        row[_HEAD : _HEAD + n] = status.states
-        row[_HEAD + width : _HEAD + width + n] = status.reasons
-        row[_HEAD + 2 * width : _HEAD + 2 * width + n] = slots
-        mine = torch.from_numpy(row)
-        rows = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(rows, mine, group=self.group)
-        self.num_collectives += 1
-        got = torch.stack(rows).numpy()
-        odd = [r for r in range(self.size) if (got[r, :3] != got[0, :3]).any()]
-        if odd:
-            ids = got[:, _HEAD + 2 * width :]
-            lengths = got[:, 1]
-            first = next(
-                (i for i in range(width) if (ids[:, i] != ids[0, i]).any()), int(lengths.min())
-            )
-            raise AgreementDivergence(
-                f"gramcoord: grammar agreement {self._step}: ranks {odd} of SGLang's sync group "
-                f"report (step, pending, fingerprint) {got[odd[0], :3].tolist()} but rank 0 "
-                f"reports {got[0, :3].tolist()}; the first differing pending request is number "
-                f"{first} (pending per rank: {lengths.tolist()}). Every rank of the group must "
-                "receive the same constrained requests in the same order; the pending requests "
-                "are failed on every rank"
-            )
-        states = got[:, _HEAD : _HEAD + n]
-        reasons = got[:, _HEAD + width : _HEAD + width + n]
-        ready, failed, failing = [], [], {}
-        for i, s in enumerate(status.seqs):
-            bad = tuple(int(r) for r in np.flatnonzero(states[:, i] == PendingState.FAILED))
-            if bad:
-                failed.append((s, int(reasons[bad[0], i])))
-                failing[s] = bad
-            elif (states[:, i] == PendingState.READY).all():
-                ready.append(s)
-        decision = Decision(
-            step=self._step, ready=tuple(ready), failed=tuple(failed), clock_ms=int(got[:, 3].max())
+        decision, failing = gather_decision(
+            self._step,
+            status,
+            clock,
+            [slot_id(seq, self._keys.get(seq, b"")) for seq in status.seqs],
+            width=self.manager.config.max_pending,
+            group=self.group,
+            size=self.size,
+            where="SGLang's sync group",
         )
+        self.num_collectives += 1
         return decision, failing
 
     def _settle(self, outcome: Outcome, failing: tuple[int, ...]) -> None:

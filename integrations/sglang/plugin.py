@@ -16,10 +16,10 @@ checks each still exists with the parameters expected.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
 from typing import Any
+
+from gramcoord.integrations.internals import check
 
 __all__ = ["INTERNALS", "NAME", "SUPPORTED", "check_internals", "create_backend", "register"]
 
@@ -135,21 +135,7 @@ def _check_version() -> None:
 
 def check_internals() -> list[str]:
     """What is missing or changed among ``INTERNALS`` (empty when all match)."""
-    problems = []
-    for module, attr, params, _why in INTERNALS:
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{module}.{attr}: missing ({exc})")
-            continue
-        if params is None:
-            continue
-        got = tuple(inspect.signature(inspect.unwrap(obj)).parameters)
-        if got != params:
-            problems.append(f"{module}.{attr}: parameters {got}, expected {params}")
-    return problems
+    return check(INTERNALS)
 
 
 def sync_group() -> Any | None:

@@ -24,21 +24,17 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from gramcoord.coordinator.coordinator import wall_clock_ms
-from gramcoord.coordinator.status import Decision, PendingState, decide_alone
+from gramcoord.coordinator.status import Decision, decide_alone
+from gramcoord.integrations.pending_report import PendingDivergence, gather_decision, slot_id
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 
 __all__ = ["Agreement", "AgreementDivergence", "GrammarInitError"]
 
 logger = logging.getLogger(__name__)
-
-# Header of one rank's report: step, window length, fingerprint, wall clock.
-_HEAD = 4
 
 
 class GrammarInitError(RuntimeError):
@@ -50,8 +46,8 @@ class GrammarInitError(RuntimeError):
         self.code = code
 
 
-class AgreementDivergence(RuntimeError):
-    """The ranks of the agreement group hold different pending requests."""
+# The ranks of the agreement group hold different pending requests.
+AgreementDivergence = PendingDivergence
 
 
 # Builds the host's grammar object for an admitted request (runs under the lock).
@@ -145,39 +141,17 @@ class Agreement:
             return len(outcomes)
 
     def _gather(self, status: Any, clock: int) -> tuple[Decision, dict[int, tuple[int, ...]]]:
-        n = len(status.seqs)
-        width = self.manager.config.max_pending
-        row = np.zeros(_HEAD + 2 * width, dtype=np.int64)
-        fingerprint = hash(status.seqs) & 0x7FFF_FFFF_FFFF_FFFF
-        row[:_HEAD] = (self._step, n, fingerprint, clock)
-        row[_HEAD : _HEAD + n] = status.states
-        row[_HEAD + width : _HEAD + width + n] = status.reasons
-        mine = torch.from_numpy(row)
-        rows = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(rows, mine, group=self.group)
-        self.num_collectives += 1
-        got = torch.stack(rows).numpy()
-        odd = [r for r in range(self.size) if (got[r, :3] != got[0, :3]).any()]
-        if odd:
-            raise AgreementDivergence(
-                f"gramcoord: agreement step {self._step}: ranks {odd} of the group report "
-                f"(step, pending, fingerprint) {got[odd[0], :3].tolist()} but rank 0 reports "
-                f"{got[0, :3].tolist()}; every rank must add the same requests between the "
-                "same engine steps"
-            )
-        states = got[:, _HEAD : _HEAD + n]
-        reasons = got[:, _HEAD + width : _HEAD + width + n]
-        ready, failed, failing = [], [], {}
-        for i, seq in enumerate(status.seqs):
-            bad = tuple(int(r) for r in np.flatnonzero(states[:, i] == PendingState.FAILED))
-            if bad:
-                failed.append((seq, int(reasons[bad[0], i])))
-                failing[seq] = bad
-            elif (states[:, i] == PendingState.READY).all():
-                ready.append(seq)
-        decision = Decision(
-            step=self._step, ready=tuple(ready), failed=tuple(failed), clock_ms=int(got[:, 3].max())
+        decision, failing = gather_decision(
+            self._step,
+            status,
+            clock,
+            [slot_id(seq) for seq in status.seqs],
+            width=self.manager.config.max_pending,
+            group=self.group,
+            size=self.size,
+            where="vLLM's agreement group",
         )
+        self.num_collectives += 1
         return decision, failing
 
     def _resolve(self, outcome: Outcome, failing: tuple[int, ...]) -> None:

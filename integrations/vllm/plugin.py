@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import typing
 from typing import Any
+
+from gramcoord.integrations.internals import check
 
 __all__ = ["INTERNALS", "NAME", "SUPPORTED", "register"]
 
@@ -246,24 +247,7 @@ def _wrap_scheduler() -> None:
 
 def check_internals() -> list[str]:
     """What is missing or changed among ``INTERNALS`` (empty when all match)."""
-    import importlib
-
-    problems = []
-    for module, attr, params, _why in INTERNALS:
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            problems.append(f"{module}.{attr}: missing ({exc})")
-            continue
-        if params is None:
-            continue
-        obj = inspect.unwrap(obj)
-        got = tuple(inspect.signature(obj).parameters)
-        if got != params:
-            problems.append(f"{module}.{attr}: parameters {got}, expected {params}")
-    return problems
+    return check(INTERNALS)
 
 
 _registered = False

@@ -16,20 +16,14 @@ module                    integration
                           (the ``hf`` extra).
 ``hf_processor``          the ``hf`` integration's collective-free
                           ``GrammarLogitsProcessor``.
-``sglang_manager``        SGLang-shaped grammar manager over a session: the
-                          get-ready call is ``RankSession.step`` (SGLang itself
-                          is not imported).
-``sglang_grammar``        SGLang-shaped grammar objects (``BaseGrammarObject``
-                          methods) over the request's session state.
 ``examples.hf_generate``  runnable ``hf`` example: tiny in-process Qwen2 model,
                           real Qwen2.5 vocabulary, ``python -m`` or
                           ``torchrun -m``.
-``examples.sglang_        runnable miniature SGLang scheduler loop on the
-scheduler``               ``sglang_manager`` drop-in.
 ========================  =======================================================
 
-vLLM is served by the plugin in ``gramcoord.integrations.vllm`` (inside the
-real engine), not here.
+vLLM and SGLang are served by ``gramcoord.integrations.vllm`` (a vLLM
+plugin) and ``gramcoord.integrations.sglang`` (a registered SGLang grammar
+backend), inside the real engines, not here.
 
 The modules are not imported here, so ``gramcoord.rank_worker.integrations``
 imports without their optional dependencies.
