@@ -355,3 +355,31 @@ def run_ranks(
         env=rdv,
         check=check,
     )
+
+
+def match_priority(nice: int) -> str | None:
+    """Run this process at the driver's CPU priority; a reason where it cannot.
+
+    Ray starts worker processes at nice 15 (``RAY_worker_niceness``): on a
+    busy node such a rank gets a sliver of the CPU next to ordinary
+    processes and misses every deadline. A cluster started here sets it to
+    the driver's; on one started elsewhere the rank raises its own priority
+    back (every thread: nice is per thread on Linux), which needs
+    ``CAP_SYS_NICE`` or the cluster started with ``RAY_worker_niceness=0``.
+    """
+    if not hasattr(os, "setpriority"):
+        return None
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    try:
+        for tid in tasks:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) > nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    except ProcessLookupError:  # a thread ended meanwhile
+        pass
+    except PermissionError:
+        now = os.getpriority(os.PRIO_PROCESS, 0)
+        return (
+            f"runs at nice {now}, the driver at {nice}, and may not raise its priority; "
+            "start the ray cluster with RAY_worker_niceness=0"
+        )
+    return None

@@ -28,7 +28,7 @@ from gramcoord.launch.launchers import (
     rank_env,
     run_rank,
 )
-from gramcoord.launch.procs import free_port
+from gramcoord.launch.procs import free_port, match_priority
 
 __all__ = ["launch_ray"]
 
@@ -42,8 +42,9 @@ class _RankActor:
     """One rank's process. The driver's ``sys.path`` comes along, so the entry
     imports the same way as in the driver."""
 
-    def __init__(self, sys_path: list[str]) -> None:
+    def __init__(self, sys_path: list[str], nice: int) -> None:
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        self.nice = nice
 
     def where(self, pick_port: bool) -> tuple[str, str, int]:
         """This actor's node id and address, and a free port there if asked."""
@@ -53,10 +54,14 @@ class _RankActor:
 
     def run(self, rank: int, entry: str, job: bytes, env: dict[str, str]) -> RankOutcome:
         os.environ.update(env)
+        why = match_priority(self.nice)
+        if why:
+            print(f"gramcoord: rank {rank}: {why}", file=sys.stderr, flush=True)
         return run_rank(rank, entry, job)
 
 
 def _init_kwargs(address: str, num_cpus: float, node_ip: str | None) -> dict[str, Any]:
+    """``ray.init``'s arguments: a local cluster's workers run at the driver's priority."""
     quiet: dict[str, Any] = {
         "log_to_driver": False,
         "logging_level": logging.WARNING,
@@ -70,6 +75,7 @@ def _init_kwargs(address: str, num_cpus: float, node_ip: str | None) -> dict[str
         "num_cpus": num_cpus,
         "num_gpus": 0,
         "object_store_memory": OBJECT_STORE_BYTES,
+        "_system_config": {"worker_niceness": os.getpriority(os.PRIO_PROCESS, 0)},
     }
     if node_ip:
         local["_node_ip_address"] = node_ip
@@ -152,7 +158,9 @@ def _run(entry, job, nproc, num_cpus_per_rank, strategy, deadline, deadline_s, p
     actor_cls = ray.remote(num_cpus=num_cpus_per_rank, max_restarts=0)(_RankActor)
     for rank in range(nproc):
         strategy_ = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
-        actor = actor_cls.options(scheduling_strategy=strategy_).remote(list(sys.path))
+        actor = actor_cls.options(scheduling_strategy=strategy_).remote(
+            list(sys.path), os.getpriority(os.PRIO_PROCESS, 0)
+        )
         placed["actors"].append(actor)
     actors = placed["actors"]
     where_refs = [a.where.remote(rank == 0) for rank, a in enumerate(actors)]

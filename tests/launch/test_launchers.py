@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -125,3 +127,31 @@ def test_ray(kwargs):
         assert_rank_1_raised(outcomes)
     else:
         assert_all_summed(outcomes, 2)
+        # Ray starts workers at nice 15; ranks run at the driver's priority
+        # (at nice 15 a rank starves next to any busy process).
+        driver = os.getpriority(os.PRIO_PROCESS, 0)
+        assert {decode(v).nice for v in check_outcomes(outcomes)} == {driver}
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(120)
+def test_a_rank_on_a_niced_ray_worker_takes_the_drivers_priority_back_or_says_why():
+    """The path for a cluster started elsewhere (``ray start``, workers at nice 15)."""
+    code = (
+        "import os, sys\n"
+        "from gramcoord.launch.procs import match_priority\n"
+        "why = match_priority(0)\n"
+        "print(why or 'ok', os.getpriority(os.PRIO_PROCESS, 0))\n"
+    )
+    res = subprocess.run(
+        ["nice", "-n", "15", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert res.returncode == 0, res.stderr
+    if os.geteuid() == 0:  # CAP_SYS_NICE: the priority comes back
+        assert res.stdout.split() == ["ok", "0"]
+    else:
+        assert "start the ray cluster with RAY_worker_niceness=0" in res.stdout
+        assert res.stdout.split()[-1] == "15"

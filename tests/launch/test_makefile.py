@@ -43,9 +43,10 @@ def test_ci_runs_make_test():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
-def _make(*args: str, venv: Path) -> subprocess.CompletedProcess:
+def _make(*args: str, venv: Path, sglang_venv: Path | None = None) -> subprocess.CompletedProcess:
+    sglang = [f"SGLANG_VENV={sglang_venv}"] if sglang_venv is not None else []
     return subprocess.run(
-        ["make", "-C", str(ROOT), f"VLLM_VENV={venv}", *args],
+        ["make", "-C", str(ROOT), f"VLLM_VENV={venv}", *sglang, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -56,16 +57,23 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make he
 
 
 @needs_make
-def test_make_test_runs_both_suites(tmp_path: Path) -> None:
+def test_make_test_runs_every_suite(tmp_path: Path) -> None:
     # Prints the recipes only (-n): nothing is installed.
-    venv = tmp_path / "venv-vllm"
-    got = _make("-n", "test", venv=venv)
+    venv, sglang = tmp_path / "venv-vllm", tmp_path / "venv-sglang"
+    got = _make("-n", "test", venv=venv, sglang_venv=sglang)
     assert got.returncode == 0, got.stderr
     lines = [ln.strip() for ln in got.stdout.splitlines()]
-    assert "OMP_NUM_THREADS=1 .venv/bin/python -m pytest" in lines  # the main suite, unchanged
+    # The main suite: every test, on two xdist workers.
+    assert "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist loadscope" in lines
     engine = [ln for ln in lines if ln.endswith("-m pytest tests/integrations/vllm")]
     assert engine and engine[0].startswith("GRAMCOORD_REQUIRE_VLLM=1 "), lines
     assert f"{venv}/bin/python" in engine[0]
+    host = [ln for ln in lines if ln.endswith("-m pytest tests/integrations/sglang")]
+    assert host and host[0].startswith("GRAMCOORD_REQUIRE_SGLANG=1 "), lines
+    assert f"{sglang}/bin/python" in host[0]
+    pip = [ln for ln in lines if f"{sglang}/bin/python -m pip install" in ln]
+    assert '"torch==2.13.0"' in pip[1], pip  # torch first, from the local wheel
+    assert any('--no-deps "sglang==0.5.23"' in ln for ln in pip), pip
 
 
 @needs_make
