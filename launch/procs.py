@@ -19,7 +19,9 @@ so the caller can tell which rank failed and how.
 
 ``ProcGroup`` is the lower level both use: processes started one at a time
 (any targets) and all reaped on ``close``, for tests whose peers play
-different roles.
+different roles. Its children are forked from a server that imported torch
+and xgrammar once (``fork_server``), each with the environment, working
+directory and stdout/stderr a spawned child would have had.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gramcoord.launch import stacks
+from gramcoord.launch import fork_server, stacks
 
 __all__ = [
     "ProcGroup",
@@ -173,16 +175,16 @@ class ProcGroup:
     """
 
     def __init__(self, env: dict[str, str] | None = None, *, daemon: bool = False) -> None:
-        self.ctx = mp.get_context("spawn")
         self.env = child_env(env)
+        self.ctx = fork_server.context(child_env())
         self.daemon = daemon
         self.started: list[mp.process.BaseProcess] = []
 
     def start(self, target: Callable[..., Any], *args: Any, **kwargs: Any):
-        proc = self.ctx.Process(target=target, args=args, kwargs=kwargs, daemon=self.daemon)
+        launch = fork_server.Launch.here(target, args, kwargs, self.env)
+        proc = self.ctx.Process(target=fork_server.forked_main, args=(launch,), daemon=self.daemon)
         self.started.append(proc)
-        with patched_environ(self.env):
-            proc.start()
+        proc.start()
         return proc
 
     def queue(self):

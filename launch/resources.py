@@ -22,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 
+from gramcoord.launch import fork_server
 from gramcoord.rank_worker.grammars import native_exit
 
 SAMPLE_EVERY = 25
@@ -131,6 +132,8 @@ def _run_processes(run_id: str) -> list[str]:
             continue
         if b"multiprocessing.resource_tracker" in cmd and _ppid(pid) == me:
             continue  # this process's own tracker: it ends when this process does
+        if int(pid) == fork_server.server_pid():
+            continue  # this process's fork server: the same (its children count)
         if needle in cmd or needle in env:
             text = cmd.replace(b"\0", b" ").decode(errors="replace").strip()
             found.append(f"{pid} {text}")

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 
 import msgspec
+
+from gramcoord.launch import fork_server
 
 
 class Job(msgspec.Struct, kw_only=True):
@@ -26,6 +29,11 @@ class Report(msgspec.Struct, kw_only=True):
     pid: int
     # The highest (least favoured) nice value among the rank's threads.
     nice: int = 0
+    # xgrammar was imported before the entry ran (nothing on the launch path
+    # imports it): the rank was forked from a warm fork server.
+    preloaded: bool = False
+    # $GRAMCOORD_TEST_TAG as the rank saw it.
+    tag: str | None = None
 
 
 def job(**kwargs) -> bytes:
@@ -37,6 +45,7 @@ def allreduce(raw: bytes) -> bytes:
     import torch
     import torch.distributed as dist
 
+    preloaded = "xgrammar" in sys.modules
     spec = msgspec.json.decode(raw, type=Job)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == spec.fail_rank:
@@ -58,6 +67,8 @@ def allreduce(raw: bytes) -> bytes:
         total=total,
         pid=os.getpid(),
         nice=max(os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")),
+        preloaded=preloaded,
+        tag=os.environ.get("GRAMCOORD_TEST_TAG"),
     )
     return msgspec.json.encode(report)
 
@@ -74,8 +85,9 @@ def decode(raw: bytes) -> Report:
 def descendants(pid: int | None = None) -> set[int]:
     """Live descendants of ``pid`` (default: this process), from /proc.
 
-    Multiprocessing's resource tracker, a helper that lives as long as its
-    parent, is left out.
+    Multiprocessing's resource tracker and this process's fork server, helpers
+    that live as long as their parent, are left out (the server's children
+    are not).
     """
     root = os.getpid() if pid is None else pid
     children: dict[int, list[int]] = {}
@@ -101,6 +113,8 @@ def descendants(pid: int | None = None) -> set[int]:
             if child not in found:
                 found.add(child)
                 todo.append(child)
+    # This process's fork server lives as long as it does; its children count.
+    found.discard(fork_server.server_pid() if pid is None else None)
     return found
 
 

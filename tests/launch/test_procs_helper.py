@@ -106,3 +106,41 @@ def test_group_kills_a_child_that_ignores_sigterm():
         group.close(grace_s=1)
         assert 1 <= time.monotonic() - start < 10
     assert proc.exitcode == -signal.SIGKILL
+
+
+def _state(rank, n):
+    import sys
+
+    print(f"child {rank} says hello", flush=True)
+    print(f"child {rank} warns", file=sys.stderr, flush=True)
+    return (
+        os.environ.get("GRAMCOORD_TEST_LATE"),
+        os.environ.get("GRAMCOORD_TEST_GONE"),
+        os.getcwd(),
+        os.getpriority(os.PRIO_PROCESS, 0),
+        "torch" in sys.modules,
+    )
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_forked_child_gets_what_a_spawned_one_would(tmp_path, monkeypatch, capfd):
+    # The fork server is already running (started by an earlier group, with
+    # the environment of that moment): what changed since must still reach
+    # the child, and what the server preloaded must not have to be imported.
+    run_procs(_sleep_briefly, 1, timeout=60)
+    monkeypatch.setenv("GRAMCOORD_TEST_LATE", "set-after-the-server-started")
+    monkeypatch.delenv("GRAMCOORD_TEST_GONE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    results = run_procs(_state, 2, timeout=60)
+    assert [r.value for r in results] == [
+        ("set-after-the-server-started", None, str(tmp_path), nice, True)
+    ] * 2
+    out, err = capfd.readouterr()
+    assert "child 0 says hello" in out and "child 1 says hello" in out
+    assert "child 0 warns" in err and "child 1 warns" in err
+
+
+def _sleep_briefly(rank, n):
+    time.sleep(0.1)

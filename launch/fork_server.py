@@ -1,0 +1,158 @@
+"""Children forked from one warm server process instead of spawned cold.
+
+A spawned child imports torch and xgrammar before it runs a line of its
+target: 3-5 s of CPU on this 2-core machine, which is most of what a short
+multi-rank test or benchmark costs. ``context()`` returns multiprocessing's
+``forkserver`` context with a server that imported those modules once; each
+child is a ``fork`` of it and starts in milliseconds.
+
+A forked child inherits the *server's* process state, not the caller's. What
+a spawned child would have taken from the caller at start, the caller sends
+and the child puts back before its target runs (``Launch`` and
+``_forked_main``):
+
+- the whole environment (``os.environ`` replaced, so ``putenv`` reaches C
+  code that reads it later: gloo's ``MASTER_ADDR``, a fault switch);
+- the working directory;
+- stdout and stderr (the caller's descriptors, passed over the server's
+  socket, so a test's ``capfd`` sees its own children);
+- a higher CPU niceness, if the caller has one.
+
+What only counts at interpreter start cannot be sent, so the server starts
+with the caller's environment plus ``OMP_NUM_THREADS=1`` (``child_env``), and
+preloads only third-party modules: none of gramcoord's own, so a module that
+reads a variable at import reads the child's.
+
+Children that torch's elastic agent starts (``launch_torchrun``) cannot be
+sent anything: for them ``restart`` starts a new server at each launch, so
+they inherit the launcher's state of that moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import forkserver, reduction
+from typing import Any
+
+__all__ = ["PRELOAD", "Launch", "context", "forked_main", "restart", "server_pid"]
+
+# Imported once in the server; a child that needs one starts with it loaded.
+PRELOAD = ("numpy", "msgspec", "zmq", "torch", "torch.distributed", "xgrammar")
+
+_lock = threading.Lock()
+_started_by: int | None = None
+
+
+def context(env: dict[str, str]) -> mp.context.BaseContext:
+    """The forkserver context, its server running (started with ``env`` on top of ours)."""
+    with _lock:
+        if _started_by != os.getpid():
+            # A forked child inherits its parent's bookkeeping but not its
+            # server (it is not the child's child): start its own.
+            _start(env)
+    return mp.get_context("forkserver")
+
+
+def restart(env: dict[str, str]) -> bool:
+    """A new server that inherits this process's state now, ``env`` on top.
+
+    For children that cannot be sent the caller's state (torch's elastic
+    agent starts them): they inherit the server's environment, working
+    directory and stdout/stderr, so the server is started afresh for each
+    launch. False, with nothing changed, while children of the current
+    server still run (stopping it would lose their exit statuses).
+    """
+    with _lock:
+        if any(_forked(p) and p.is_alive() for p in mp.active_children()):
+            return False
+        if _started_by == os.getpid():
+            with contextlib.suppress(OSError):  # it died already
+                forkserver._forkserver._stop()
+        _start(env)
+    return True
+
+
+def _forked(proc: mp.process.BaseProcess) -> bool:
+    return type(getattr(proc, "_popen", None)).__module__ == "multiprocessing.popen_forkserver"
+
+
+def _start(env: dict[str, str]) -> None:
+    global _started_by
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    _started_by = os.getpid()
+
+
+def server_pid() -> int | None:
+    """This process's fork server, if it started one (a helper, not a leak)."""
+    if _started_by != os.getpid():
+        return None
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+@dataclass
+class Launch:
+    """What a spawned child would have inherited, sent to a forked one."""
+
+    target: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    environ: dict[str, str] = field(default_factory=dict)
+    cwd: str = ""
+    nice: int = 0
+    # The caller's open descriptors among 1 and 2; each goes to the child as
+    # a duplicate (over the server's socket) when the launch is pickled.
+    stdio: tuple[int, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["stdio"] = tuple((fd, reduction.DupFd(fd)) for fd in self.stdio)
+        return state
+
+    @classmethod
+    def here(cls, target, args, kwargs, env: dict[str, str]) -> Launch:
+        """The caller's state now, with ``env`` on top of its environment."""
+        stdio = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:
+                continue  # closed here: the child keeps the server's
+            stdio.append(fd)
+        return cls(
+            target=target,
+            args=args,
+            kwargs=kwargs,
+            environ={**os.environ, **env},
+            cwd=os.getcwd(),
+            nice=os.getpriority(os.PRIO_PROCESS, 0),
+            stdio=tuple(stdio),
+        )
+
+
+def forked_main(launch: Launch) -> Any:
+    """The child's first step: put the caller's state back, then run the target."""
+    for want, dup in launch.stdio:
+        fd = dup.detach()
+        if fd != want:
+            os.dup2(fd, want)
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(launch.environ)
+    if launch.cwd:
+        os.chdir(launch.cwd)
+    more = launch.nice - os.getpriority(os.PRIO_PROCESS, 0)
+    if more > 0:
+        os.nice(more)
+    return launch.target(*launch.args, **launch.kwargs)
