@@ -121,6 +121,7 @@ def _hol(opts: argparse.Namespace, model: Path, work: Path) -> list[BenchRecord]
         out_dir = work / f"hol-{backend}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        cmd += ["--log-dir", str(work / f"hol-{backend}.torchrun")]
         cmd += ["-m", "gramcoord.benchmarks._vllm_child", "hol", "--backend", backend]
         cmd += [*_common(opts, model, work), "--out-dir", str(out_dir)]
         cmd += ["--fast", str(opts.fast), "--repeat", str(opts.hol_repeat)]

@@ -134,6 +134,7 @@ def test_external_launcher_under_torch_distributed_run(tmp_path):
         "--nproc_per_node=2",
         "--nnodes=1",
         f"--master_port={free_port()}",
+        f"--log-dir={tmp_path / 'torchrun'}",
         str(Path(__file__).with_name("external_main.py")),
         str(tmp_path),
     ]

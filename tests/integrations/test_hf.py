@@ -228,7 +228,7 @@ def test_single_process_example_runs():
 
 @pytest.mark.spawn
 @pytest.mark.timeout(240)
-def test_torchrun_example_two_ranks():
+def test_torchrun_example_two_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [
@@ -241,6 +241,8 @@ def test_torchrun_example_two_ranks():
         "127.0.0.1",
         "--master-port",
         str(free_port()),
+        "--log-dir",
+        str(tmp_path / "torchrun"),
         "-m",
         EXAMPLE,
         "--max-new-tokens",

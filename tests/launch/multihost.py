@@ -22,6 +22,7 @@ def torchrun_on_hosts(
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(len(nproc)), "--nproc-per-node", str(n),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.names[0]}:29400",
+            "--log-dir", f"{out}.torchrun{node}",
             "-m", "gramcoord.launch.rank_main", str(cfg), "--out", str(out),
         ]  # fmt: skip
         procs.append(

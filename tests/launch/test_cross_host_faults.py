@@ -155,6 +155,7 @@ def _start(hosts: SimulatedHosts, tmp_path: Path) -> tuple[list[Host], Path, str
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-id", run_id,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.names[0]}:29400",
+            "--log-dir", str(tmp_path / f"torchrun{node}"),
             __file__, str(cfg), "--out", str(out),
         ]  # fmt: skip
         log = tmp_path / f"host{node}.txt"

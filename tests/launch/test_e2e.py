@@ -174,6 +174,8 @@ def test_external_launcher_matches_the_reference(tmp_path, small_workload, capfd
         "2",
         "--master-port",
         str(free_port()),
+        "--log-dir",
+        str(tmp_path / "torchrun"),
         "-m",
         "gramcoord.launch.rank_main",
         str(CONFIGS / "external-launcher.yaml"),

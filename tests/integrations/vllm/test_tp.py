@@ -67,6 +67,8 @@ def tp_out(tiny_model, tmp_path_factory) -> Path:
         "127.0.0.1",
         "--master-port",
         str(free_port()),
+        "--log-dir",
+        str(out / "torchrun"),
         str(Path(__file__).with_name("tp_driver.py")),
         str(tiny_model),
         str(requests),
