@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Internal", "check"]
+__all__ = ["Internal", "check", "check_version"]
+
+logger = logging.getLogger(__name__)
 
 # (module, dotted attribute, expected parameter names or None, why it is touched)
 Internal = tuple[str, str, "tuple[str, ...] | None", str]
@@ -34,3 +37,20 @@ def check(internals: Iterable[Internal]) -> list[str]:
         if got != params:
             problems.append(f"{module}.{attr}: parameters {got}, expected {params}")
     return problems
+
+
+def check_version(engine: str, module: str, series: str, verified: str) -> str:
+    """The installed ``module``'s version, if it is in ``series`` (such as ``"0.32"``).
+
+    Raises ``RuntimeError`` naming the supported series otherwise, and logs a
+    warning for a version of the series other than ``verified``.
+    """
+    version = str(getattr(importlib.import_module(module), "__version__", "unknown"))
+    if not (version == series or version.startswith(series + ".")):
+        raise RuntimeError(
+            f"gramcoord's {engine} integration supports {engine} {series}.x "
+            f"(verified on {verified}); {engine} {version} is installed"
+        )
+    if version != verified:
+        logger.warning("gramcoord: %s %s is untested (verified on %s)", engine, version, verified)
+    return version

@@ -14,6 +14,7 @@ from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.sync.janitor import remove
+from tests import dev_data
 from tests.sync.transport_peers import ipc_dirs, shm_names
 
 # A suite started in the background (`cmd &`, nohup) inherits SIGINT ignored,
@@ -55,18 +56,13 @@ def qwen_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def dev_schemas() -> list[dict]:
     """Dev schema records, each with its xgrammar label under ``"label"``."""
-    path = DATA / "schemas-dev.jsonl"
-    # Never a skip: without the data these tests would silently stop testing.
-    assert path.is_file(), f"dev data not found at {path} (see tests/data/README.md)"
     labels = {}
     for line in (DATA / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
         rec = json.loads(line)
         labels[rec["id"]] = rec
-    out = []
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
+    out = dev_data.records()
+    for rec in out:
         rec["label"] = labels.get(rec["id"], {})
-        out.append(rec)
     return out
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gramcoord.integrations.internals import check
+from gramcoord.integrations.internals import check, check_version
 
 __all__ = ["INTERNALS", "NAME", "SUPPORTED", "check_internals", "create_backend", "register"]
 
@@ -121,16 +121,7 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
 
 
 def _check_version() -> None:
-    import sglang
-
-    version = getattr(sglang, "__version__", "unknown")
-    if not version.startswith(SUPPORTED + "."):
-        raise RuntimeError(
-            f"gramcoord's SGLang backend supports SGLang {SUPPORTED}.x (>=0.5.23,<0.6, "
-            f"verified on {VERIFIED}); SGLang {version} is installed"
-        )
-    if version != VERIFIED:
-        logger.warning("gramcoord: SGLang %s is untested (verified on %s)", version, VERIFIED)
+    check_version("SGLang", "sglang", SUPPORTED, VERIFIED)
 
 
 def check_internals() -> list[str]:

@@ -145,7 +145,7 @@ class Agreement:
             self._step,
             status,
             clock,
-            [slot_id(seq) for seq in status.seqs],
+            [slot_id(seq, self.manager.pending_key(seq)) for seq in status.seqs],
             width=self.manager.config.max_pending,
             group=self.group,
             size=self.size,

@@ -143,17 +143,17 @@ class GramcoordBackend(StructuredOutputBackend):
         text = "" if spec.kind == "json_object" else spec.text
         return self.host.compile_grammar(_KIND_TO_VLLM[spec.kind], text).ctx
 
-    def _grammar(self, request_id: str, stop_token_ids: set[int] | None) -> GramcoordGrammar:
+    def _grammar(
+        self, ctx: xgr.CompiledGrammar, stop_token_ids: set[int] | None, request_id: str = ""
+    ) -> GramcoordGrammar:
+        """vLLM's grammar object over ``ctx``: one matcher, rollback for the drafts."""
         matcher = xgr.GrammarMatcher(
-            self.manager.compiled(request_id),
+            ctx,
             override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
             max_rollback_tokens=self.num_speculative_tokens,
         )
         return GramcoordGrammar(
-            vocab_size=self.vocab_size,
-            matcher=matcher,
-            ctx=self.manager.compiled(request_id),
-            request_id=request_id,
+            vocab_size=self.vocab_size, matcher=matcher, ctx=ctx, request_id=request_id
         )
 
     def compile_grammar(
@@ -164,12 +164,7 @@ class GramcoordBackend(StructuredOutputBackend):
     ) -> StructuredOutputGrammar:
         """vLLM's synchronous contract (not on the engine's path: see ``admit``)."""
         ctx = self.host.compile_grammar(request_type, grammar_spec).ctx
-        matcher = xgr.GrammarMatcher(
-            ctx,
-            override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
-            max_rollback_tokens=self.num_speculative_tokens,
-        )
-        return GramcoordGrammar(vocab_size=self.vocab_size, matcher=matcher, ctx=ctx)
+        return self._grammar(ctx, stop_token_ids)
 
     # -- the engine's path -----------------------------------------------------
 
@@ -182,7 +177,7 @@ class GramcoordBackend(StructuredOutputBackend):
         future: Future = self.agreement.submit(
             request.request_id,
             spec_of(request_type, grammar_spec),
-            lambda rid: self._grammar(rid, stops),
+            lambda rid: self._grammar(self.manager.compiled(rid), stops, rid),
         )
         sor.grammar = future
 

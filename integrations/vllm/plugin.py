@@ -17,15 +17,16 @@ import logging
 import typing
 from typing import Any
 
-from gramcoord.integrations.internals import check
+from gramcoord.integrations.internals import check, check_version
 
 __all__ = ["INTERNALS", "NAME", "SUPPORTED", "register"]
 
 logger = logging.getLogger(__name__)
 
 NAME = "gramcoord"
-# Supported vLLM versions: 0.32.x.
+# Supported vLLM versions: 0.32.x, verified on 0.32.0.
 SUPPORTED = "0.32"
+VERIFIED = "0.32.0"
 
 # Every vLLM internal used, as (module, attribute, parameters or None, why).
 INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
@@ -93,14 +94,7 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
 
 
 def _check_version() -> None:
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    if not (version == SUPPORTED or version.startswith(SUPPORTED + ".")):
-        raise RuntimeError(
-            f"gramcoord's vLLM plugin supports vLLM {SUPPORTED}.x (>=0.32.0,<0.33); "
-            f"vLLM {version} is installed"
-        )
+    check_version("vLLM", "vllm", SUPPORTED, VERIFIED)
 
 
 def _widen_backend_literal() -> None:

@@ -263,6 +263,12 @@ class GrammarManager:
         assert entry.job is not None
         return entry.job.state()
 
+    def pending_key(self, seq: int) -> bytes:
+        """The grammar key of pending request ``seq`` (identical on every rank
+        that holds the same request); empty if it is not pending."""
+        entry = self._pending.get(seq)
+        return entry.spec.key if entry is not None else b""
+
     def local_status(self) -> LocalStatus:
         """This rank's view of the pending window, in sequence order."""
         self.service.poll()

@@ -17,11 +17,11 @@ import datetime
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "schemas-dev.jsonl"
+from tests import dev_data
+
 SCHEMA_IDS = (
     "Github_trivial/o32735",
     "Github_easy/o69751",
@@ -33,8 +33,7 @@ Log = list[tuple[int, str, str]]
 
 
 def schemas() -> list[str]:
-    records = [json.loads(line) for line in DATA.read_text().splitlines() if line]
-    return [json.dumps(next(r for r in records if w in r["id"])["schema"]) for w in SCHEMA_IDS]
+    return [json.dumps(dev_data.schema(w)) for w in SCHEMA_IDS]
 
 
 @dataclass

@@ -21,11 +21,11 @@ pytest.importorskip("sglang")
 
 import torch
 
+from tests import dev_data
 from tests.integrations.sglang.host import host
 
 pytestmark = pytest.mark.timeout(300)
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "schemas-dev.jsonl"
 # Dev schemas that compile in well under a second with the Qwen2.5 vocabulary.
 IDS = (
     "Github_trivial/o32735",
@@ -71,12 +71,7 @@ TAG = {
 
 
 def _schemas() -> list[str]:
-    records = [json.loads(line) for line in DATA.read_text().splitlines() if line]
-    out = []
-    for want in IDS:
-        record = next(r for r in records if want in r["id"])
-        out.append(json.dumps(record["schema"]))
-    return out
+    return [json.dumps(dev_data.schema(want)) for want in IDS]
 
 
 def _grammars(backend, keys):
