@@ -13,9 +13,9 @@ builds ``n`` hosts on this machine (DESIGN section 13), each with:
   ``ip netns exec`` mounts over ``/etc/hosts`` (c10d resolves hostnames).
 
 ``partition(i)`` takes host ``i``'s link down (``heal(i)`` brings it back).
-Everything is torn down on ``close`` / ``__exit__``, at interpreter exit,
-and ``remove_stale()`` clears what a killed process left behind (names carry
-a fixed prefix). Needs root and namespace support; ``available()`` says
+Everything is torn down on ``close`` / ``__exit__`` and at interpreter exit
+(names carry a fixed prefix, so what a killed process left behind can be
+found with ``ip netns list``). Needs root and namespace support; ``available()`` says
 whether this machine has them. Traffic goes only to the hosts' own
 addresses.
 """
@@ -54,15 +54,6 @@ def available() -> tuple[bool, str]:
         return False, f"network namespaces are refused: {made.stderr.strip()}"
     _ip("netns", "del", probe, check=False)
     return True, ""
-
-
-def remove_stale() -> list[str]:
-    """Delete every namespace (and hosts file) left by an earlier run; returns their names."""
-    listed = _ip("netns", "list", check=False).stdout.split("\n")
-    names = [ln.split()[0] for ln in listed if ln.strip().startswith(PREFIX)]
-    for ns in names:
-        _teardown_ns(ns)
-    return names
 
 
 def _teardown_ns(ns: str) -> None:

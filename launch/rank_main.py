@@ -61,10 +61,6 @@ class RankJob(msgspec.Struct, frozen=True, kw_only=True):
     progress_dir: str = ""
 
 
-class DeterminismMismatch(RuntimeError):
-    """The end-of-run comparison found ranks that disagree (exit status 3)."""
-
-
 def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
     """The workload's records as engine requests, in file order."""
     out = []

@@ -40,7 +40,7 @@ from gramcoord.launch.summary import Determinism, Summary, write_summary
 from gramcoord.rank_worker.engine.hf_checks import check_hf_model
 
 EXIT_OK, EXIT_INFRA, EXIT_CONFIG, EXIT_DETERMINISM = 0, 1, 2, 3
-_DETERMINISM_ERRORS = ("DeterminismError", "DeterminismMismatch")
+_DETERMINISM_ERROR = "DeterminismError"
 
 
 class RunResult(msgspec.Struct, kw_only=True):
@@ -132,7 +132,7 @@ def _result(outcomes: list[RankOutcome], out_dir: Path) -> RunResult:
     if failed or not outcomes:
         code = (
             EXIT_DETERMINISM
-            if any(o.error_type in _DETERMINISM_ERRORS for o in failed)
+            if any(o.error_type == _DETERMINISM_ERROR for o in failed)
             else EXIT_INFRA
         )
         # The cause on the console, every rank's traceback in the logs.
