@@ -16,30 +16,34 @@ and the child puts back before its target runs (``Launch`` and
 - the working directory;
 - stdout and stderr (the caller's descriptors, passed over the server's
   socket, so a test's ``capfd`` sees its own children);
-- a higher CPU niceness, if the caller has one.
+- a higher CPU niceness, if the caller has one;
+- and at its end the atexit hooks run, as at a spawned child's ``sys.exit``.
 
 What only counts at interpreter start cannot be sent, so the server starts
 with the caller's environment plus ``OMP_NUM_THREADS=1`` (``child_env``), and
 preloads only third-party modules: none of gramcoord's own, so a module that
-reads a variable at import reads the child's.
+reads a variable at import reads the child's (third-party modules read the
+environment the server started with: huggingface_hub's ``HF_*`` constants,
+for one). All children share the server's string-hash seed.
 
-Children that torch's elastic agent starts (``launch_torchrun``) cannot be
-sent anything: for them ``restart`` starts a new server at each launch, so
-they inherit the launcher's state of that moment.
+``gramcoord run``'s own ranks are not started here: torch's elastic agent
+starts them (spawned), and its workers must die with the launcher
+(``PR_SET_PDEATHSIG`` names their parent, which would be the server).
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import forkserver, reduction
+from multiprocessing import util as mp_util
 from typing import Any
 
-__all__ = ["PRELOAD", "Launch", "context", "forked_main", "restart", "server_pid"]
+__all__ = ["PRELOAD", "Launch", "context", "forked_main", "server_pid"]
 
 # Imported once in the server; a child that needs one starts with it loaded.
 PRELOAD = ("numpy", "msgspec", "zmq", "torch", "torch.distributed", "xgrammar")
@@ -56,29 +60,6 @@ def context(env: dict[str, str]) -> mp.context.BaseContext:
             # server (it is not the child's child): start its own.
             _start(env)
     return mp.get_context("forkserver")
-
-
-def restart(env: dict[str, str]) -> bool:
-    """A new server that inherits this process's state now, ``env`` on top.
-
-    For children that cannot be sent the caller's state (torch's elastic
-    agent starts them): they inherit the server's environment, working
-    directory and stdout/stderr, so the server is started afresh for each
-    launch. False, with nothing changed, while children of the current
-    server still run (stopping it would lose their exit statuses).
-    """
-    with _lock:
-        if any(_forked(p) and p.is_alive() for p in mp.active_children()):
-            return False
-        if _started_by == os.getpid():
-            with contextlib.suppress(OSError):  # it died already
-                forkserver._forkserver._stop()
-        _start(env)
-    return True
-
-
-def _forked(proc: mp.process.BaseProcess) -> bool:
-    return type(getattr(proc, "_popen", None)).__module__ == "multiprocessing.popen_forkserver"
 
 
 def _start(env: dict[str, str]) -> None:
@@ -155,4 +136,9 @@ def forked_main(launch: Launch) -> Any:
     more = launch.nice - os.getpriority(os.PRIO_PROCESS, 0)
     if more > 0:
         os.nice(more)
+    # A spawned child ends in sys.exit, which runs the atexit hooks (segment
+    # cleanup, temporary directories); a forked one ends in os._exit. Run
+    # them as the last of multiprocessing's exit steps, after the result
+    # queues are flushed, where a spawned child would.
+    mp_util.Finalize(None, atexit._run_exitfuncs, exitpriority=-100)
     return launch.target(*launch.args, **launch.kwargs)

@@ -36,7 +36,6 @@ from typing import Any
 
 import msgspec
 
-from gramcoord.launch import fork_server
 from gramcoord.launch.procs import (
     child_env,
     format_failures,
@@ -274,15 +273,11 @@ def launch_torchrun(
 
     The agent runs in a helper thread (so it installs no signal handlers)
     while this thread waits for it until the deadline. On the deadline or
-    ``KeyboardInterrupt`` the workers (children of this process) are
+    ``KeyboardInterrupt`` the workers (spawned children of this process) are
     killed (SIGTERM, then SIGKILL after ``STOP_S``), which ends the agent. A
     failed rank ends the agent too: it stops the other ranks itself (SIGTERM,
     then SIGKILL after ``SHUTDOWN_S``), and only that rank's failure comes
     back; the others are reported ``terminated``.
-
-    Workers are forked from a fresh ``fork_server`` (spawned when children of
-    the current one still run), so they start with torch and xgrammar
-    imported and with this process's environment, directory and console.
 
     With ``log_dir`` the agent's log and each worker's stdout/stderr are kept
     there; otherwise the agent's log goes to a temporary directory that is
@@ -303,9 +298,6 @@ def launch_torchrun(
         rdzv_configs["is_host"] = node_rank == 0
     run_dir = log_dir or tempfile.mkdtemp(prefix="gramcoord-torchrun-")
     os.makedirs(run_dir, exist_ok=True)
-    # Workers fork from a server that imported torch and xgrammar once, with
-    # this process's state now; spawned cold, each would import them again.
-    start_method = "forkserver" if fork_server.restart(child_env()) else "spawn"
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
@@ -316,7 +308,7 @@ def launch_torchrun(
         rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=0.1,
-        start_method=start_method,
+        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=run_dir, redirects=Std.ALL if log_dir else Std.NONE),
         local_addr=master_addr if nnodes == 1 else None,
         shutdown_timeout=SHUTDOWN_S,

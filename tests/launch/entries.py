@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import time
 
 import msgspec
@@ -29,11 +28,6 @@ class Report(msgspec.Struct, kw_only=True):
     pid: int
     # The highest (least favoured) nice value among the rank's threads.
     nice: int = 0
-    # xgrammar was imported before the entry ran (nothing on the launch path
-    # imports it): the rank was forked from a warm fork server.
-    preloaded: bool = False
-    # $GRAMCOORD_TEST_TAG as the rank saw it.
-    tag: str | None = None
 
 
 def job(**kwargs) -> bytes:
@@ -45,7 +39,6 @@ def allreduce(raw: bytes) -> bytes:
     import torch
     import torch.distributed as dist
 
-    preloaded = "xgrammar" in sys.modules
     spec = msgspec.json.decode(raw, type=Job)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == spec.fail_rank:
@@ -67,8 +60,6 @@ def allreduce(raw: bytes) -> bytes:
         total=total,
         pid=os.getpid(),
         nice=max(os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")),
-        preloaded=preloaded,
-        tag=os.environ.get("GRAMCOORD_TEST_TAG"),
     )
     return msgspec.json.encode(report)
 

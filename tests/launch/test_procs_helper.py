@@ -144,3 +144,22 @@ def test_forked_child_gets_what_a_spawned_one_would(tmp_path, monkeypatch, capfd
 
 def _sleep_briefly(rank, n):
     time.sleep(0.1)
+
+
+def _register_exit_hook(path):
+    import atexit
+
+    atexit.register(lambda: open(path, "w").close())
+
+
+@pytest.mark.spawn
+@pytest.mark.timeout(180)
+def test_a_childs_atexit_hooks_run_when_it_returns(tmp_path):
+    # Joined, not reaped: run_procs terminates a child still exiting once its
+    # result is in, spawned or forked alike.
+    with ProcGroup() as group:
+        procs = [group.start(_register_exit_hook, str(tmp_path / f"hook.{i}")) for i in range(2)]
+        for proc in procs:
+            proc.join(60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hook.0", "hook.1"]
