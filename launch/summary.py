@@ -14,14 +14,16 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from gramcoord.launch.validity import JsonChecker
-from gramcoord.rank_worker.engine.loop import RankReport
 from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
 from gramcoord.rank_worker.engine.timings import Percentiles, percentiles
+
+if TYPE_CHECKING:  # the step loop imports torch; `gramcoord config` must not
+    from gramcoord.rank_worker.engine.loop import RankReport
 
 
 class Mismatch(msgspec.Struct, frozen=True):

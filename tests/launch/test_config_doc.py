@@ -34,3 +34,21 @@ def test_cli_prints_the_reference_and_the_resolved_config(capsys):
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["parallel"]["dp"] == 2 and resolved["parallel"]["tp"] == 1
     assert main(["config", "--set", "parallel.dp=two"]) == 2
+
+
+def test_printing_a_config_imports_neither_torch_nor_xgrammar():
+    """`gramcoord config` runs where the engines are not installed, and in milliseconds."""
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, sys\n"
+        "from gramcoord.launch.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['config', {str(ROOT / 'configs' / 'local.yaml')!r}]) == 0\n"
+        "print(sorted(m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
