@@ -83,6 +83,19 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # sync points, so replicas with partitioned streams step at their own
     # rates.
     poison_exchange: Literal["step", "host"] = "step"
+    # With poison_exchange "step": steps between posting a replica's poison
+    # exchange (and end-of-run vote) and settling it. A failure reaches every
+    # replica this many steps later, and a replica waits for the others only
+    # when it runs this far ahead; 0 settles each exchange in its own step.
+    # `gramcoord bench step` measures it (README, "Step cost").
+    poison_lag_steps: Annotated[int, Meta(ge=0, le=64)] = 2
+    # gramcoord's step loop: steps per TP determinism check. Every TP rank of
+    # the last stage compares the tokens it sampled and the digests of the
+    # mask rows it applied with its peers: one posted all_gather per this
+    # many steps, settled with the next one, so a difference is reported
+    # within twice this many steps, naming the first step and row that
+    # differed. 1 checks every step (one collective per step).
+    tp_check_steps: Annotated[int, Meta(ge=1, le=1024)] = 8
     # Idle steps (nothing pending) between clock agreements, so poison TTLs
     # still expire at an agreed instant when no request is waiting. With
     # compile_mode sync (the external launcher) these are the only

@@ -4,7 +4,8 @@ A ``Coordinator`` drives a ``Member`` -- in production the rank's
 ``GrammarManager`` behind ``gramcoord.rank_worker.grammars.admission`` -- through one step:
 
 decider (stage 0, or every stage leader with ``pp_sync: collective``)
-    1. share new failures across DP leaders; apply the union (poison);
+    1. post new failures (and the end-of-run vote) to the DP leaders, and
+       apply the union posted ``lag`` steps ago (``poison_share``);
     2. take the member's local status and agree on a decision;
     3. send the decision and the poison down the chain;
     4. apply the decision to the member.
@@ -64,6 +65,9 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     outcome: Any = None
     # True on followers: the decision came down the chain.
     followed: bool = False
+    # The end-of-run vote settled this step: (the step that voted, whether
+    # any replica was busy then); None when no vote settled.
+    vote: tuple[int, bool] | None = None
 
 
 class Coordinator:
@@ -89,6 +93,9 @@ class Coordinator:
     poison_in_step:
         Share new failures inside every ``step`` (``distributed.
         poison_exchange: step``); otherwise only in ``exchange_poison``.
+    poison_lag_steps:
+        Steps between posting a poison exchange and settling it
+        (``distributed.poison_lag_steps``).
     levels:
         This rank's agreement group split by host, to agree in two levels
         (``distributed.agreement_levels: host``; see ``levels.TwoLevel``);
@@ -111,6 +118,7 @@ class Coordinator:
         clock_sync_steps: int = 64,
         clock: Callable[[], int] = wall_clock_ms,
         poison_in_step: bool = True,
+        poison_lag_steps: int = 2,
         levels: HostLevels | None = None,
     ) -> None:
         rank = comm.rank
@@ -159,8 +167,9 @@ class Coordinator:
             if rank in poison_members:
                 self.poison = PoisonShare(
                     members=poison_members,
-                    gather=self._gather("poison"),
-                    reduce_max=self._reduce("poison", "max"),
+                    post=self._post("poison"),
+                    # A host's sync points are its own: settle each at once.
+                    lag_steps=poison_lag_steps if poison_in_step else 0,
                 )
         logger.info(
             "[rank %d] coordinator: %s, %s, agreement group %s%s, poison group %s, window %d, %s",
@@ -215,6 +224,7 @@ class Coordinator:
             else distributed.agreement_op,
             clock_sync_steps=distributed.clock_sync_steps,
             poison_in_step=distributed.poison_exchange == "step",
+            poison_lag_steps=distributed.poison_lag_steps,
             levels=levels,
         )
 
@@ -225,6 +235,14 @@ class Coordinator:
             return comm.all_gather(group, row, operation=op, step=self._current)
 
         return gather
+
+    def _post(self, group: str) -> Callable:
+        comm, op = self._comm, group
+
+        def post(row):
+            return comm.all_gather_start(group, row, operation=op, step=self._current)
+
+        return post
 
     def _two_level(self, two: TwoLevel) -> tuple[Callable, Callable]:
         def gather(row):
@@ -270,15 +288,29 @@ class Coordinator:
             return ()
         new = self._held_failures + list(member.new_failures())
         self._held_failures = []
-        shared, _ = self.poison.exchange(sync, new, self._clock())
+        settled = self.poison.exchange(sync, new, self._clock())
+        assert settled is not None  # lag 0 outside the step
+        shared = settled.records
         # Applied at the start of the next step, here and (down the chain)
         # on every later stage at the same point, so a request submitted in
         # between gets the same verdict on every rank.
         self._unsent += shared
         return shared
 
-    def step(self, step: int, member: Member) -> StepResult:
+    def settle(self) -> None:
+        """Wait for the poison exchanges still in flight (every member, after its last step).
+
+        What they carry is dropped: the run is over.
+        """
+        if self.poison is not None:
+            self.poison.drain()
+
+    def step(self, step: int, member: Member, *, busy: bool | None = None) -> StepResult:
         """Run step ``step`` for ``member``; see the module docstring.
+
+        ``busy`` is this replica's end-of-run vote (stage-0 deciders of a
+        poison group; None: no vote); it settles ``lag`` steps later, in
+        ``StepResult.vote``.
 
         Raises
         ------
@@ -300,17 +332,23 @@ class Coordinator:
             outcome = member.apply_decision(decision)
             return StepResult(decision=decision, poison=poison, outcome=outcome, followed=True)
         assert self.agreement is not None
-        clock, agreed = self._clock(), False
+        clock, agreed, vote = self._clock(), False, None
         new = member.new_failures()
         poison, self._unsent = self._unsent, ()
         if poison:
             member.apply_poison(poison)
         if self.poison is not None and self.poison_in_step:
-            shared, clock = self.poison.exchange(step, new, clock)
-            agreed = True
-            if shared:
-                member.apply_poison(shared)
-            poison += shared
+            settled = self.poison.exchange(step, new, clock, busy=busy)
+            # While nothing settles, hold the last agreed clock: TTLs expire
+            # on an agreed clock only.
+            clock, agreed = self.agreement.clock_ms, True
+            if settled is not None:
+                clock = settled.clock_ms
+                if settled.busy is not None:
+                    vote = (settled.step, settled.busy)
+                if settled.records:
+                    member.apply_poison(settled.records)
+                poison += settled.records
         elif self.poison is not None:
             self._held_failures += list(new)
         decision = self.agreement.decide(
@@ -319,4 +357,4 @@ class Coordinator:
         if self.chain is not None:
             self.chain.send(decision, poison)
         outcome = member.apply_decision(decision)
-        return StepResult(decision=decision, poison=poison, outcome=outcome)
+        return StepResult(decision=decision, poison=poison, outcome=outcome, vote=vote)

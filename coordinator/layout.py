@@ -29,6 +29,23 @@ class Coords(NamedTuple):
     tp: int
 
 
+class StepRoute(NamedTuple):
+    """Where one rank's per-step messages come from and go (``step_route``)."""
+
+    # Stage leaders before and after this rank's stage in its replica
+    # (arrivals travel between them); None at the ends.
+    prev_leader: int | None
+    next_leader: int | None
+    # The rank this rank takes its batch frame from (None: it plans it),
+    # and the ranks it passes the frame on to, in send order.
+    frame_src: int | None
+    frame_dsts: tuple[int, ...]
+    # The stage-0 leader and the last stage's leader of this replica: the
+    # step's results go from the second to the first.
+    origin: int
+    last_leader: int
+
+
 class HostLevels(NamedTuple):
     """One agreement group split by host (``distributed.agreement_levels: host``)."""
 
@@ -167,6 +184,34 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True):
     def leader(self, dp: int, pp: int) -> int:
         """The stage leader (``tp == 0``) of stage ``pp`` in replica ``dp``."""
         return self.rank_of(dp, pp, 0)
+
+    def step_route(self, rank: int) -> StepRoute:
+        """The neighbours of ``rank`` in the step loop.
+
+        Arrivals go down the stage leaders of a replica. A batch frame goes
+        from the stage-0 leader to its TP workers and to the next stage's
+        leader; every later rank takes it from the same TP index on the
+        stage before and passes it to the same TP index on the stage after.
+        """
+        c = self.coords(rank)
+        first, last = c.pp == 0, c.pp == self.pp - 1
+        if not first:
+            src: int | None = self.rank_of(c.dp, c.pp - 1, c.tp)
+        else:
+            src = None if c.tp == 0 else self.leader(c.dp, 0)
+        dsts: list[int] = []
+        if first and c.tp == 0:
+            dsts += [self.rank_of(c.dp, 0, t) for t in range(1, self.tp)]
+        if not last:
+            dsts.append(self.rank_of(c.dp, c.pp + 1, c.tp))
+        return StepRoute(
+            prev_leader=None if first else self.leader(c.dp, c.pp - 1),
+            next_leader=None if last else self.leader(c.dp, c.pp + 1),
+            frame_src=src,
+            frame_dsts=tuple(dsts),
+            origin=self.leader(c.dp, 0),
+            last_leader=self.leader(c.dp, self.pp - 1),
+        )
 
     # -- roles ---------------------------------------------------------------
 

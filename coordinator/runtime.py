@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ class Comm(Protocol):
     def all_gather(
         self, group: str, row: np.ndarray, *, operation: str, step: int
     ) -> np.ndarray: ...
+
+    def all_gather_start(self, group: str, row: np.ndarray, *, operation: str, step: int) -> Any:
+        """``all_gather`` posted; the result has ``wait() -> int64[members, n]``."""
 
     def all_reduce(
         self, group: str, row: np.ndarray, op: Literal["band", "max"], *, operation: str, step: int
@@ -400,7 +403,10 @@ class Runtime:
     def recv(
         self, group: str, src: int, out: np.ndarray, *, tag: int, operation: str, step: int
     ) -> None:
-        """Receive into ``out`` (int64, exact size) from global rank ``src``."""
+        """Receive into ``out`` (int64) from global rank ``src``.
+
+        ``out`` may be longer than the message: gloo fills its prefix.
+        """
         pg, _ = self._group(group)
         t = torch.from_numpy(out)
         try:

@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gramcoord: {problem}", file=sys.stderr)
         return 2
     from gramcoord.coordinator.errors import CoordinatorError
-    from gramcoord.rank_worker.engine.last_stage import DeterminismError
+    from gramcoord.rank_worker.errors import DeterminismError
     from gramcoord.sync.errors import TransportError
 
     job = RankJob(

@@ -38,9 +38,11 @@ from gramcoord.launch.report import summary_table
 from gramcoord.launch.resources import RUN_ID_ENV, collect
 from gramcoord.launch.summary import Determinism, Summary, write_summary
 from gramcoord.rank_worker.engine.hf_checks import check_hf_model
+from gramcoord.rank_worker.errors import DeterminismError
 
 EXIT_OK, EXIT_INFRA, EXIT_CONFIG, EXIT_DETERMINISM = 0, 1, 2, 3
-_DETERMINISM_ERROR = "DeterminismError"
+# Ranks report their exception by class name (RankOutcome.error_type).
+_DETERMINISM_ERROR = DeterminismError.__name__
 
 
 class RunResult(msgspec.Struct, kw_only=True):

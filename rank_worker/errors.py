@@ -88,6 +88,16 @@ class GrammarError(RuntimeError):
         self.message = message
 
 
+class DeterminismError(RuntimeError):
+    """Ranks that must agree sampled different tokens or applied different masks."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...], request_id: str, position: int):
+        super().__init__(message)
+        self.ranks = ranks
+        self.request_id = request_id
+        self.position = position
+
+
 # -- native (C++) messages ----------------------------------------------
 #
 # xgrammar's C++ errors arrive as ``RuntimeError("[02:57:44]

@@ -114,6 +114,9 @@ class BitmaskReceiver:
         self._spin_s = spin_us * 1e-6 if ring is not None and POLLING_IS_SAFE else 0.0
         self._next_slot = 0
         self._polled: set[int] = set()
+        # Announcements read from the socket ahead of their step: the step
+        # before them was taken from the ring, its own announcement lost.
+        self._early: list[tuple[WriterMessage, zmq.Frame | None]] = []
         self._notes = ReadyDecoder()
 
     @classmethod
@@ -266,6 +269,9 @@ class BitmaskReceiver:
         timeout = self._handle.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         try:
+            while self._early:
+                if (result := self._take(step, *self._early.pop(0))) is not None:
+                    return result
             # First whatever is queued, so the socket is drained every step
             # even when the ring poll below finds every step first.
             while (got := self._client.recv(0)) is not None:
@@ -409,6 +415,12 @@ class BitmaskReceiver:
         except ProtocolError as exc:
             self._client.reject(str(exc))
             return None
+        if message.step > step and isinstance(message, BitmaskReady) and POLLING_IS_SAFE:
+            # A writer that runs ahead announced a later step, and this
+            # step's announcement was lost or garbled: it is in the ring.
+            if (result := self._poll_ring(step, 0.0)) is not None:
+                self._early.append((message, frame))
+                return result
         if message.step != step:
             raise ProtocolError(
                 f"reader {self.name!r} waits for step {step} "

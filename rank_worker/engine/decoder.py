@@ -9,8 +9,8 @@ in one process and without batching:
 3. the logits source scores ``(request, output + drafts[:i])`` for every
    row, the rows are masked through the TP-side apply (``LogitsMasker``)
    and the argmax taken;
-4. drafts are verified greedily: kept while they equal the argmax, and the
-   first disagreement (or the bonus row) contributes the model's token;
+4. drafts are verified greedily and the step's finish reason decided by
+   the step loop's own rules (``engine.acceptance``);
 5. the tokens are accepted into the grammar, and jump-forward runs.
 
 With a deterministic model the outputs do not depend on K or the drafter:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
+from gramcoord.rank_worker.engine.acceptance import accepted_tokens, finish_reason
 from gramcoord.rank_worker.engine.drafter import Drafter
 from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
 from gramcoord.rank_worker.errors import GrammarError
@@ -39,7 +40,7 @@ class DecodeResult(NamedTuple):
     text: str
     # Model forward passes (one per step, whatever K is).
     num_steps: int
-    finish_reason: Literal["stop", "length", "error"]
+    finish_reason: Literal["grammar_end", "stop", "length", "error"]
     # Why it failed, when finish_reason == "error".
     error: GrammarError | None
     # Model steps jump-forward saved (its per-jump estimate).
@@ -107,18 +108,22 @@ class GreedyDecoder:
             self.masker.apply(logits, built.bitmask, plan)
             picks = logits.argmax(dim=-1).tolist()
             steps += 1
-            accepted = []
-            for i, token in enumerate(picks):
-                accepted.append(token)
-                if i == len(drafts) or token != drafts[i] or token in self._stop:
-                    break
+            room = self.max_tokens - len(out)
+            accepted = accepted_tokens(picks, drafts, self._stop, room)
             try:
                 state.accept_tokens(accepted)
             except GrammarError as exc:
                 return self._result(out, steps, "error", exc, saved)
             out += accepted
-            if accepted[-1] in self._stop or state.is_terminated:
-                return self._result(out, steps, "stop", None, saved)
+            reason = finish_reason(
+                terminated=state.is_terminated,
+                accepted=accepted,
+                stop_ids=self._stop,
+                length=len(out),
+                max_tokens=self.max_tokens,
+            )
+            if reason is not None:
+                return self._result(out, steps, reason, None, saved)
             if self.jump_forward is not None:
                 before = self.jump_forward.stats.num_steps_saved
                 self.jump_forward.jump(state, out)

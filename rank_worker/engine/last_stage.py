@@ -4,7 +4,8 @@ Every rank of the last stage runs ``LastStage.run`` on the step's
 ``BatchFrame``:
 
 - the **leader** builds the bitmask rows on a thread while the logits are
-  computed (DESIGN section 1, step 5), publishes them to its TP workers,
+  computed (DESIGN section 1, step 5; a batch of fewer than
+  ``OVERLAP_FROM_ROWS`` rows inline, before them), publishes them to its TP workers,
   applies its own copy, samples, and then accepts the tokens into the
   grammars, runs jump-forward, decides who finished and proposes the next
   drafts; it returns the ``StepResults`` for stage 0;
@@ -12,36 +13,33 @@ Every rank of the last stage runs ``LastStage.run`` on the step's
   samples, and keeps its copy of each output from the frames.
 
 Then all TP ranks compare what they sampled and the digest of the rows they
-applied (one ``all_gather`` on the stage's tp group). A difference is a
-``DeterminismError`` that names the rank, the request and the position.
+applied (one posted ``all_gather`` on the stage's tp group every
+``distributed.tp_check_steps`` steps). A difference is a
+``DeterminismError`` that names the rank, the step, the request and the
+position.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gramcoord.rank_worker.engine.acceptance import accepted_tokens, finish_reason
 from gramcoord.rank_worker.engine.frames import BatchFrame, StepResults, TokenResult
 from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
 from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.engine.timings import Timings
-from gramcoord.rank_worker.errors import GrammarError
+from gramcoord.rank_worker.errors import DeterminismError, GrammarError
 from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
 from gramcoord.rank_worker.session.session import MaskBatch, RankSession
 
-
-class DeterminismError(RuntimeError):
-    """Ranks that must agree sampled different tokens or applied different masks."""
-
-    def __init__(self, message: str, *, ranks: tuple[int, ...], request_id: str, position: int):
-        super().__init__(message)
-        self.ranks = ranks
-        self.request_id = request_id
-        self.position = position
+# Mask rows from which the build runs on a thread while the logits are
+# computed; below, inline before them (``gramcoord bench step``, README).
+OVERLAP_FROM_ROWS = 16
 
 
 @dataclass(eq=False)
@@ -51,23 +49,6 @@ class _View:
     max_tokens: int
     out: list[int] = field(default_factory=list)
     drafter: object | None = None
-
-
-def accepted_tokens(
-    picks: Sequence[int], drafts: Sequence[int], stop_ids: frozenset[int], room: int
-) -> list[int]:
-    """Greedy verification: drafts are kept while the model agrees.
-
-    ``picks[i]`` is the token sampled from row ``i`` (after drafts
-    ``0..i-1``). The first disagreement, or the bonus row, contributes the
-    model's token; a stop token ends the list; at most ``room`` tokens.
-    """
-    out: list[int] = []
-    for i, token in enumerate(picks):
-        out.append(token)
-        if i == len(drafts) or token != drafts[i] or token in stop_ids:
-            break
-    return out[: max(0, room)]
 
 
 class LastStage:
@@ -110,7 +91,11 @@ class LastStage:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-build") if self.leader else None
         # Failures of this stage's admission (e.g. grammar_stage_timeout).
         self.stage_failures: dict[str, tuple[str, str]] = {}
-        # The TP check posted last step, settled this step (see _check_tp).
+        # The TP check (see _check_tp): this window's rows and row positions,
+        # and the window posted before it, still in flight.
+        self._tp_every = session.config.distributed.tp_check_steps
+        self._tp_rows: list[tuple[int, int, int]] = []
+        self._tp_positions: list[list[tuple[str, int, int]]] = []
         self._tp_pending = None
 
     def close(self) -> None:
@@ -158,13 +143,20 @@ class LastStage:
             runnable.append(s)
         constrained = [s.request_id for s in runnable if self.views[s.request_id].constrained]
         drafts = {s.request_id: s.drafts for s in runnable}
-        t0 = time.perf_counter()
-        build = self._pool.submit(
-            self._build, frame.step, constrained, [drafts[r] for r in constrained]
-        )
-        logits = self._logits(runnable)
-        t1 = time.perf_counter()
-        masks, build_ms, publish_ms = build.result()
+        args = (frame.step, constrained, [drafts[r] for r in constrained])
+        if len(constrained) * (1 + self.k) < OVERLAP_FROM_ROWS:
+            # A few rows fill in tens of microseconds: handing them to the
+            # build thread and back costs more than it overlaps.
+            masks, build_ms, publish_ms = self._build(*args)
+            t0 = time.perf_counter()
+            logits = self._logits(runnable)
+            t1 = time.perf_counter()
+        else:
+            t0 = time.perf_counter()
+            build = self._pool.submit(self._build, *args)
+            logits = self._logits(runnable)
+            t1 = time.perf_counter()
+            masks, build_ms, publish_ms = build.result()
         self.timings.add("forward", (t1 - t0) * 1e3)
         self.timings.add("mask_build", build_ms)
         if self.session.channel is not None:
@@ -262,39 +254,60 @@ class LastStage:
         return picks, row_digests
 
     def _check_tp(self, step, picks, step_digest, runnable, row_digests) -> None:
-        """Post this step's TP cross-check and settle the previous step's.
+        """Add this step to the TP cross-check; post a window of steps every few steps.
 
-        Every TP rank of the stage posts ``[step, hash(picks), step digest]``
-        without waiting and compares the previous step's answers, so a rank
-        never waits on its peers here: the check lags one step, and the
-        step it names is the one that differed.
+        Every TP rank of the stage keeps ``[step, hash(picks), step digest]``
+        per step and, every ``distributed.tp_check_steps`` steps, posts the
+        window in one ``all_gather`` without waiting; the window posted
+        before is settled then. A rank never waits on its peers here unless
+        it runs a window ahead, and a difference is reported within two
+        windows, naming the first step and row that differed.
         """
         runtime = self.session.runtime
         if runtime is None or self.session.layout.tp == 1:
             return
-        self.settle_tp_check()
         h = hash(tuple(picks)) & 0x7FFFFFFFFFFFFFFF
-        row = np.array([step, h, step_digest], dtype=np.int64)
-        pending = runtime.all_gather_start("tp", row, operation="tp sample check", step=step)
-        self._tp_pending = (pending, self._row_positions(runnable, row_digests))
+        self._tp_rows.append((step, h, step_digest))
+        self._tp_positions.append(self._row_positions(runnable, row_digests))
+        if len(self._tp_rows) >= self._tp_every:
+            self._post_tp_check()
+
+    def _post_tp_check(self) -> None:
+        self._settle_posted()
+        rows, self._tp_rows = self._tp_rows, []
+        positions, self._tp_positions = self._tp_positions, []
+        flat = np.array(rows, dtype=np.int64).reshape(-1)
+        pending = self.session.runtime.all_gather_start(
+            "tp", flat, operation="tp sample check", step=rows[-1][0]
+        )
+        self._tp_pending = (pending, rows, positions)
 
     def settle_tp_check(self) -> None:
         """Wait for the last posted TP check; raise ``DeterminismError`` if it differed.
 
-        The step loop calls it once more after its last step.
+        The step loop calls it once more after its last step (it posts what
+        is left of the window first, on every TP rank alike).
         """
+        if self._tp_rows:
+            self._post_tp_check()
+        self._settle_posted()
+
+    def _settle_posted(self) -> None:
         if self._tp_pending is None:
             return
-        (pending, rows), self._tp_pending = self._tp_pending, None
+        (pending, rows, positions), self._tp_pending = self._tp_pending, None
         got = pending.wait()
         if (got == got[0]).all():
             return
+        per_step = got.reshape(len(got), len(rows), 3)
+        i = int(np.flatnonzero((per_step != per_step[0]).any(axis=(0, 2)))[0])
+        step = rows[i][0]
         runtime = self.session.runtime
         ranks = runtime.members("tp")
-        odd = tuple(r for r, g in zip(ranks, got) if not (g == got[0]).all())
-        rid, pos = self._first_difference(pending.step, rows)
+        odd = tuple(r for r, g in zip(ranks, per_step[:, i]) if not (g == per_step[0, i]).all())
+        rid, pos = self._first_difference(step, positions[i])
         raise DeterminismError(
-            f"[rank {self.session.rank}] step {pending.step}: TP ranks {list(odd)} sampled or "
+            f"[rank {self.session.rank}] step {step}: TP ranks {list(odd)} sampled or "
             f"masked differently from rank {ranks[0]}; first differing row: request {rid!r}, "
             f"position {pos}",
             ranks=odd,
@@ -360,13 +373,13 @@ class LastStage:
                 error_message=exc.message,
             )
         v.out.extend(acc)
-        reason = None
-        if terminated:
-            reason = "grammar_end"
-        elif acc and acc[-1] in self.stop_ids:
-            reason = "stop"
-        elif len(v.out) >= v.max_tokens:
-            reason = "length"
+        reason = finish_reason(
+            terminated=terminated,
+            accepted=acc,
+            stop_ids=self.stop_ids,
+            length=len(v.out),
+            max_tokens=v.max_tokens,
+        )
         jumped = 0
         next_drafts: tuple[int, ...] = ()
         if reason is None and v.constrained:

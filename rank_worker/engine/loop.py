@@ -13,8 +13,9 @@ The roles (DESIGN section 1, "One step"):
   on the last stage compute, mask and sample (``LastStage``).
 
 Every rank leaves the loop after the same step: stage 0 marks the last
-frame ``done`` once every replica is idle (a one-row vote among the stage-0
-leaders when dp > 1), and the frame reaches every rank.
+frame ``done`` once every replica is idle (with partitioned replicas, the
+end-of-run vote on the posted poison exchange, ``poison_lag_steps`` after
+the step that voted), and the frame reaches every rank.
 """
 
 from __future__ import annotations
@@ -127,17 +128,7 @@ def run_loop(
             max_num_seqs=session.config.scheduler.max_num_seqs,
             per_step=per_step,
         )
-    prev_leader = layout.leader(c.dp, c.pp - 1) if c.pp > 0 else None
-    next_leader = layout.leader(c.dp, c.pp + 1) if c.pp < layout.pp - 1 else None
-    if c.pp > 0:
-        frame_src = layout.rank_of(c.dp, c.pp - 1, c.tp)
-    else:
-        frame_src = None if c.tp == 0 else layout.leader(c.dp, 0)
-    frame_dsts: list[int] = []
-    if c.pp < layout.pp - 1:
-        frame_dsts.append(layout.rank_of(c.dp, c.pp + 1, c.tp))
-    if origin is not None:
-        frame_dsts = [layout.rank_of(c.dp, 0, t) for t in range(1, layout.tp)] + frame_dsts
+    route = layout.step_route(rank)
     link = session.link
     step = 0
     faults = session.faults
@@ -148,15 +139,15 @@ def run_loop(
             if on_step is not None:
                 on_step(step)
             if origin is not None:
-                frame = _origin_step(session, origin, last, step, next_leader, frame_dsts, timings)
+                frame = _origin_step(session, origin, last, step, route, timings)
                 if progress is not None:
                     progress(origin.num_finished, origin.num_requests)
             elif session.is_leader:
-                frame = _follower_step(session, last, step, prev_leader, next_leader, timings)
+                frame = _follower_step(session, last, step, route, timings)
             else:
-                raw = link.recv(frame_src, operation="batch frame", step=step)
+                raw = link.recv(route.frame_src, operation="batch frame", step=step)
                 frame = frames.decode(raw, BatchFrame)
-                for dst in frame_dsts:
+                for dst in route.frame_dsts:
                     link.send(dst, raw, operation="batch frame", step=step)
                 if last is not None:
                     last.run(frame)
@@ -184,38 +175,35 @@ def run_loop(
     )
 
 
-def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) -> BatchFrame:
+def _origin_step(session, origin, last, step, route, timings) -> BatchFrame:
     link = session.link
     arrivals = origin.arrive(step)
-    if next_leader is not None:
-        link.send(next_leader, frames.encode(arrivals), operation="arrivals", step=step)
-    session.report_busy(not origin.idle)
+    if route.next_leader is not None:
+        link.send(route.next_leader, frames.encode(arrivals), operation="arrivals", step=step)
+    layout = session.layout
+    # Replicated streams finish on the same step everywhere by construction;
+    # partitioned ones vote (on the posted poison exchange, which is a
+    # collective), so every replica keeps stepping until the vote that
+    # settles says all of them were idle (an idle origin stays idle).
+    votes = layout.dp > 1 and layout.requests == "partitioned"
     t0 = time.perf_counter()
-    decided = session.step(step)
+    decided = session.step(step, busy=not origin.idle if votes else None)
     timings.add("agreement", (time.perf_counter() - t0) * 1e3)
     origin.decided(decided.admitted, decided.failed)
-    done = origin.idle
-    if session.layout.dp > 1 and session.layout.requests == "partitioned":
-        # Replicated streams finish on the same step everywhere by
-        # construction; partitioned ones vote, so all replicas keep stepping
-        # (the poison exchange is a collective) until the last one is idle.
-        done = session.all_done(step, done)
+    done = decided.all_idle is True if votes else origin.idle
     frame = origin.plan(step, done=done)
     if not frame.batch and not done and session.runtime is None:
         # One process with nothing to run yet: compiles are pending. Peers
         # pace multi-rank loops through their collectives; alone, don't spin.
         time.sleep(IDLE_WAIT_S)
     raw = frames.encode(frame)
-    for dst in frame_dsts:
+    for dst in route.frame_dsts:
         link.send(dst, raw, operation="batch frame", step=step)
     if last is not None:
         results = last.run(frame)
     else:
-        last_leader = session.layout.leader(
-            session.layout.coords(session.rank).dp, session.layout.pp - 1
-        )
         results = frames.decode(
-            link.recv(last_leader, operation="step results", step=step), StepResults
+            link.recv(route.last_leader, operation="step results", step=step), StepResults
         )
     origin.apply(results)
     if last is None:  # the last stage's leader forgot them already (same session if pp == 1)
@@ -225,11 +213,11 @@ def _origin_step(session, origin, last, step, next_leader, frame_dsts, timings) 
     return frame
 
 
-def _follower_step(session, last, step, prev_leader, next_leader, timings) -> BatchFrame:
+def _follower_step(session, last, step, route, timings) -> BatchFrame:
     link = session.link
-    raw = link.recv(prev_leader, operation="arrivals", step=step)
-    if next_leader is not None:
-        link.send(next_leader, raw, operation="arrivals", step=step)
+    raw = link.recv(route.prev_leader, operation="arrivals", step=step)
+    if route.next_leader is not None:
+        link.send(route.next_leader, raw, operation="arrivals", step=step)
     arrivals = frames.decode(raw, Arrivals)
     for sub in arrivals.requests:
         session.submit(sub.request_id, json.loads(sub.spec_json), seq=sub.seq)
@@ -239,16 +227,18 @@ def _follower_step(session, last, step, prev_leader, next_leader, timings) -> Ba
     failures = tuple(
         StageFailure(o.request_id, o.code or "failed", o.message) for o in decided.stage_failed
     )
-    frame = frames.decode(link.recv(prev_leader, operation="batch frame", step=step), BatchFrame)
+    frame = frames.decode(
+        link.recv(route.frame_src, operation="batch frame", step=step), BatchFrame
+    )
     for rid in frame.finished:
         session.finish(rid)
-    if next_leader is not None:
+    if route.next_leader is not None:
         forward = msgspec.structs.replace(frame, failed_upstream=frame.failed_upstream + failures)
-        link.send(next_leader, frames.encode(forward), operation="batch frame", step=step)
+        for dst in route.frame_dsts:
+            link.send(dst, frames.encode(forward), operation="batch frame", step=step)
         return frame
     for f in failures:
         last.stage_failures.setdefault(f.request_id, (f.code, f.message))
     results = last.run(frame)
-    origin_rank = session.layout.leader(session.layout.coords(session.rank).dp, 0)
-    link.send(origin_rank, frames.encode(results), operation="step results", step=step)
+    link.send(route.origin, frames.encode(results), operation="step results", step=step)
     return frame

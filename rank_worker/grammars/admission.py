@@ -37,6 +37,16 @@ logger = logging.getLogger(__name__)
 STAGE_WAIT_SHARE = 0.5
 
 
+def stage_wait_s(compile_timeout_s: float, step_timeout_s: float) -> float:
+    """How long a rank that follows a decision waits for its own compiles, per step.
+
+    A later pipeline stage and a ``fill`` TP follower both wait up to the
+    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout:
+    the rank that decided must never take a waiting follower for a lost one.
+    """
+    return min(compile_timeout_s, step_timeout_s * STAGE_WAIT_SHARE)
+
+
 class Admission:
     """One stage leader's admission step.
 
@@ -81,17 +91,15 @@ class Admission:
     ) -> Admission:
         """Admission for ``comm.rank`` (a stage leader), sized from the manager's config."""
         coordinator = None
-        wait = manager.config.compile_timeout_s
-        cap = distributed.step_timeout_s * STAGE_WAIT_SHARE
-        if layout.pp > 1 and wait > cap:
+        wait = stage_wait_s(manager.config.compile_timeout_s, distributed.step_timeout_s)
+        if layout.pp > 1 and wait < manager.config.compile_timeout_s:
             logger.warning(
                 "[rank %d] later stages wait at most %.1fs for compiles (half the step timeout), "
                 "not compile_timeout_s=%.1fs",
                 comm.rank,
-                cap,
                 wait,
+                manager.config.compile_timeout_s,
             )
-            wait = cap
         if layout.world_size > 1:
             coordinator = Coordinator.from_config(
                 layout,
@@ -102,8 +110,10 @@ class Admission:
             )
         return cls(manager, coordinator, stage_wait_s=wait)
 
-    def step(self, step: int) -> list[Outcome]:
+    def step(self, step: int, *, busy: bool | None = None) -> list[Outcome]:
         """Run step ``step``; returns the outcomes of requests admitted or failed.
+
+        ``busy``: this replica's end-of-run vote (see ``Coordinator.step``).
 
         Raises
         ------
@@ -112,7 +122,7 @@ class Admission:
         """
         if self.coordinator is None:
             return self.manager.step()
-        result = self.coordinator.step(step, self)
+        result = self.coordinator.step(step, self, busy=busy)
         self.last_ready = frozenset(result.decision.ready)
         self.last_result = result
         return result.outcome

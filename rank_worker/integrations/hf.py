@@ -47,14 +47,14 @@ The step counter
 ``session.all_done(n, done)`` until every rank's requests are admitted or
 failed. ``all_done`` is one tiny all_gather whose answer is the same on every
 rank, so every rank leaves after the same step, although partitioned
-replicas finish admission at different steps and each ``step`` is a
+replicas finish admission at different steps and each ``step`` posts a
 collective among them (the poison exchange). ``n`` is one counter per
 ``GenerateSession`` that keeps increasing across ``prepare`` calls (the
 coordinator refuses a step that does not increase). A step that failed a
 request with a poisoning code (``grammar_invalid``, ``grammar_timeout``)
-votes "not done" once more: a failure is shared at the next step's
-exchange, so this way the peers' poison caches hold the key before
-``prepare`` returns.
+votes "not done" for ``session.poison_lag_steps + 1`` more steps: the
+failure is posted at the next step and settles that many steps later, so
+the peers' poison caches hold the key before ``prepare`` returns.
 
 Rows
 ----
@@ -359,20 +359,23 @@ class GenerateSession:
             self._records[rid] = _Record(o)
         undecided = {rid for rid, o in outcomes.items() if o.status in ("pending", "waiting")}
         session = self.session
+        # Steps a poisoning failure still needs to reach every peer.
+        hold = 0
         while True:
             step = self._next_step
             self._next_step += 1
             self.num_steps += 1
             decided = session.step(step)
-            flush = False
             for o in (*decided.admitted, *decided.failed):
                 if o.request_id in undecided:
                     undecided.discard(o.request_id)
                     outcomes[o.request_id] = o
                     self._records[o.request_id].outcome = o
                 if o.status == "failed" and o.code in _POISONING:
-                    flush = True
-            if session.all_done(step, not undecided and not flush):
+                    hold = session.poison_lag_steps + 1
+            done = not undecided and hold == 0
+            hold = max(0, hold - 1)
+            if session.all_done(step, done):
                 return outcomes
             if undecided:
                 time.sleep(self.poll_s)

@@ -18,9 +18,10 @@ Calls, in step order (see DESIGN section 14):
 
 - ``submit(request_id, spec)``: stage leaders, on arrival, in the same order
   on every leader of a chain; never raises.
-- ``step(n)``: every stage leader, once per step, at a point every rank
-  reaches, whether or not constrained requests are scheduled: it is the one
-  collective (agreement, poison exchange, decision down the chain).
+- ``step(n, busy=...)``: every stage leader, once per step, at a point
+  every rank reaches, whether or not constrained requests are scheduled:
+  the agreement, the posted poison exchange (with the end-of-run vote) and
+  the decision down the chain.
 - ``bitmask(ids, drafts)`` then ``publish(n, batch)``: the last-stage leader,
   while the logits are computed.
 - ``apply(logits, batch, ...)``: every last-stage rank (leader and workers).
@@ -47,7 +48,7 @@ from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
-from gramcoord.rank_worker.grammars.admission import STAGE_WAIT_SHARE, Admission
+from gramcoord.rank_worker.grammars.admission import Admission, stage_wait_s
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
@@ -374,7 +375,7 @@ class RankSession(SessionMasks):
                 message=f"bad sequence number: {exc}",
             )
 
-    def step(self, step: int) -> StepOutcome:
+    def step(self, step: int, *, busy: bool | None = None) -> StepOutcome:
         """The per-step collective: agree on readiness and apply the decision.
 
         Parameters
@@ -382,6 +383,11 @@ class RankSession(SessionMasks):
         step:
             The step number; it must increase, and every member of the
             agreement group must be at the same step.
+        busy:
+            Stage-0 leaders of partitioned replicas: whether this replica
+            still has work. The vote rides on the posted poison exchange and
+            settles ``distributed.poison_lag_steps`` steps later as
+            ``StepOutcome.all_idle``, the same on every replica.
 
         Returns
         -------
@@ -398,14 +404,22 @@ class RankSession(SessionMasks):
         if self.is_follower:
             return self._follow(step)
         admission = self._need("step", self.admission)
-        outcomes = admission.step(step)
+        outcomes = admission.step(step, busy=busy)
         admitted = [o for o in outcomes if o.status == "admitted"]
         failed = [o for o in outcomes if o.status == "failed"]
         if self.followers != "none" and self.is_leader and self.link is not None:
             self._lead(step, outcomes, admission)
         self._start_states(admitted)
         ready = admission.last_ready
-        return StepOutcome(admitted, failed, [o for o in failed if o.seq in ready])
+        vote = admission.last_result.vote if admission.last_result is not None else None
+        all_idle = None if vote is None else not vote[1]
+        coordinator = admission.coordinator
+        posted = coordinator is not None and coordinator.poison is not None
+        if busy is not None and not (posted and coordinator.poison_in_step):
+            all_idle = self.all_done(step, not busy)  # no posted exchange: vote now
+        return StepOutcome(
+            admitted, failed, [o for o in failed if o.seq in ready], all_idle=all_idle
+        )
 
     def _lead(self, step: int, outcomes: list[Outcome], admission: Admission) -> None:
         result = admission.last_result
@@ -437,11 +451,8 @@ class RankSession(SessionMasks):
             manager.apply_poison(note.poison)
         outcomes: list[Outcome] = []
         if note.decision is not None:
-            # Capped like a later pipeline stage's wait: the leader must
-            # never take a waiting follower for a lost one.
-            wait = min(
-                self.config.grammar.compile_timeout_s,
-                self.config.distributed.step_timeout_s * STAGE_WAIT_SHARE,
+            wait = stage_wait_s(
+                self.config.grammar.compile_timeout_s, self.config.distributed.step_timeout_s
             )
             outcomes = manager.apply_decision(note.decision, wait_s=wait)
         manager.new_failures()  # the leader shares failures; a follower's copy is redundant
@@ -492,40 +503,30 @@ class RankSession(SessionMasks):
             return 0
         return len(admission.coordinator.exchange_poison(sync, admission))
 
-    def report_busy(self, busy: bool) -> None:
-        """Before ``step``: whether this replica still has work to do.
+    @property
+    def poison_lag_steps(self) -> int:
+        """Steps between posting a failure to the other replicas and its arrival there.
 
-        With a per-step poison exchange the end-of-run vote then rides on
-        that exchange's one ``all_reduce`` and ``all_done`` needs no
-        collective of its own. The vote is the replicas' state before the
-        step's decision, so a run can end one step later than a separate
-        vote after it would say. Call it on every stage-0 leader each step,
-        or on none.
+        ``distributed.poison_lag_steps`` where ``step`` posts a poison
+        exchange (stage leaders of partitioned replicas), else 0.
         """
-        share = self._poison_share()
-        if share is not None:
-            share.busy = busy
-
-    def _poison_share(self):
         admission = self.admission
-        coordinator = getattr(admission, "coordinator", None) if admission else None
-        return getattr(coordinator, "poison", None)
+        coordinator = admission.coordinator if admission is not None else None
+        share = coordinator.poison if coordinator is not None else None
+        if share is None or not coordinator.poison_in_step:
+            return 0
+        return share.lag_steps
 
     def all_done(self, step: int, done: bool) -> bool:
-        """Whether every replica's stage-0 leader is done (one tiny all_gather).
+        """Whether every replica's stage-0 leader is done (one tiny all_gather, now).
 
-        DP replicas with partitioned streams finish at different steps, but
-        ``step`` is a collective among their stage-0 leaders (the poison
-        exchange), so they must keep stepping until all of them are done.
-        Call it on every stage-0 leader once per step, after ``step``;
-        without peers it returns ``done``.
+        For hosts that end a phase together (``integrations.hf``); a step
+        loop votes through ``step(n, busy=...)`` instead, off the critical
+        path. Call it on every stage-0 leader at the same point; without
+        peers it returns ``done``.
         """
         if self.runtime is None or not self.runtime.members("replicas"):
             return done
-        share = self._poison_share()
-        if share is not None and share.vote is not None and share.vote[0] == step:
-            # The vote rode on this step's poison exchange (see ``report_busy``).
-            return not share.vote[1]
         row = np.array([0 if done else 1], dtype=np.int64)
         got = self.runtime.all_gather("replicas", row, operation="done vote", step=step)
         return not got.any()
@@ -602,6 +603,7 @@ class RankSession(SessionMasks):
             its workers with the channel's shutdown, so a worker that stops
             because of it names the cause, not just "channel closed".
         """
+        coordinator = self.admission.coordinator if self.admission is not None else None
         channel = self.channel
         close_channel = None
         if channel is not None:
@@ -609,6 +611,7 @@ class RankSession(SessionMasks):
         for what, fn in (
             ("reader", self.reader.close if self.reader else None),
             ("channel", close_channel),
+            ("poison exchange", coordinator.settle if coordinator and drain else None),
             ("manager", self.manager.close if self.manager else None),
             ("runtime", (lambda: self.runtime.close(drain=drain)) if self.runtime else None),
         ):

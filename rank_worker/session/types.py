@@ -67,6 +67,10 @@ class StepOutcome(NamedTuple):
     # pipeline stage alone (a later stage's compile did not finish in time),
     # so stage 0 learns of them only from this stage.
     stage_failed: list[Outcome]
+    # The end-of-run vote that settled this step (``step(n, busy=...)``):
+    # True when no voting replica was busy at the step that voted, False
+    # when one was, None when no vote settled. The same on every replica.
+    all_idle: bool | None = None
 
 
 class MaskBatch(NamedTuple):

@@ -45,6 +45,14 @@ class ThreadHub:
             return self._queues.setdefault((src, dst, tag), queue.Queue())
 
 
+class _Done:
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def wait(self) -> np.ndarray:
+        return self.rows
+
+
 class ThreadComm:
     """The ``Comm`` calls of one rank, over a ``ThreadHub``."""
 
@@ -65,6 +73,11 @@ class ThreadComm:
         out = np.stack([slots[r] for r in ranks])
         barrier.wait(TIMEOUT_S)
         return out
+
+    def all_gather_start(self, group, row, *, operation, step):
+        # Every member thread steps together, so the gather can complete now.
+        rows = self.all_gather(group, row, operation=operation, step=step)
+        return _Done(rows)
 
     def all_reduce(self, group, row, op, *, operation, step):
         rows = self.all_gather(group, row, operation=operation, step=step)
@@ -180,10 +193,12 @@ class Cluster:
         }
         self._pool = ThreadPoolExecutor(len(self.ranks))
 
-    def step(self, step: int) -> dict:
-        """Run ``step`` on every stage leader; re-raise the first error."""
+    def step(self, step: int, busy: dict[int, bool] | None = None) -> dict:
+        """Run ``step`` on every stage leader (``busy``: votes by rank); re-raise the first error."""
+        busy = busy or {}
         futures = {
-            r: self._pool.submit(self.coords[r].step, step, self.members[r]) for r in self.ranks
+            r: self._pool.submit(self.coords[r].step, step, self.members[r], busy=busy.get(r))
+            for r in self.ranks
         }
         return {r: f.result(timeout=TIMEOUT_S * 2) for r, f in futures.items()}
 

@@ -209,3 +209,39 @@ def test_large_agreement_groups_switch_to_the_fixed_size_report():
         dist_cfg = DistributedConfig(agreement_reduce_from=reduce_from)
         coord = Coordinator.from_config(lay, ThreadComm(hub, lay, 0), dist_cfg, max_pending=8)
         assert coord.agreement.op == op
+
+
+# -- step routes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dp,pp,tp", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 3, 1), (2, 2, 2), (1, 2, 3)]
+)
+def test_step_routes_deliver_every_frame_once_from_its_origin(dp, pp, tp):
+    layout = ParallelLayout(dp=dp, pp=pp, tp=tp)
+    routes = {r: layout.step_route(r) for r in range(layout.world_size)}
+    for r, route in routes.items():
+        c = layout.coords(r)
+        assert (route.frame_src is None) == (c.pp == 0 and c.tp == 0), r
+        for dst in route.frame_dsts:  # what a rank sends, its destination takes from it
+            assert routes[dst].frame_src == r, (r, dst)
+        assert route.origin == layout.leader(c.dp, 0)
+        assert route.last_leader == layout.leader(c.dp, pp - 1)
+        assert route.prev_leader == (layout.leader(c.dp, c.pp - 1) if c.pp else None)
+        assert route.next_leader == (layout.leader(c.dp, c.pp + 1) if c.pp < pp - 1 else None)
+    # Following sources back from any rank ends at its replica's origin.
+    for r in routes:
+        seen, at = set(), r
+        while routes[at].frame_src is not None:
+            assert at not in seen
+            seen.add(at)
+            at = routes[at].frame_src
+        assert at == routes[r].origin
+
+
+def test_step_route_of_a_two_stage_tp_pair():
+    layout = ParallelLayout(dp=1, pp=2, tp=2)  # ranks: (pp0: 0, 1), (pp1: 2, 3)
+    assert layout.step_route(0).frame_dsts == (1, 2)  # its TP worker first, then stage 1
+    assert layout.step_route(1)[2:4] == (0, (3,))
+    assert layout.step_route(2)[:4] == (0, None, 0, ())
+    assert layout.step_route(3)[2:4] == (1, ())

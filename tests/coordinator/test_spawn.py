@@ -70,8 +70,11 @@ def test_shared_poison_across_dp2():
     assert ("slow-1", "failed", "grammar_timeout", "miss") in r1["outcomes"]
     assert ("slow-again", "failed", "grammar_timeout", "poisoned") in r1["outcomes"]
     assert r1["compiles_of_slow"] == 1
-    assert r0["shared_at"] == r1["shared_at"] and len(r0["shared_at"]) == 1
-    assert r0["poison_exchanges"] == r1["poison_exchanges"] == 1
+    # Shared on the same steps everywhere. A key that also fails on the other
+    # replica before the first report settles (poison_lag_steps) is reported
+    # by both: once per replica at most.
+    assert r0["shared_at"] == r1["shared_at"] and 1 <= len(r0["shared_at"]) <= 2
+    assert r0["poison_exchanges"] == r1["poison_exchanges"] == len(r0["shared_at"])
     assert r0["agreed_ms"] == r1["agreed_ms"]
 
 

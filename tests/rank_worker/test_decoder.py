@@ -27,7 +27,7 @@ def test_decoder_follows_the_reference(qwen_tokenizer, compile_json, k):
         SyntheticModel(qwen_tokenizer),
         ModelRequest("r", reference=REFERENCE),
     )
-    assert (result.text, result.finish_reason, result.error) == (REFERENCE, "stop", None)
+    assert (result.text, result.finish_reason, result.error) == (REFERENCE, "grammar_end", None)
     assert result.token_ids[-1] in qwen_tokenizer.stop_ids
     assert result.num_steps == len(result.token_ids)
 

@@ -13,6 +13,7 @@ from gramcoord.launch.summary import Mismatch, digests_by_request, merge
 from gramcoord.launch.validity import JsonChecker
 from gramcoord.rank_worker.config import SamplingConfig, SpeculativeConfig
 from gramcoord.rank_worker.engine import frames
+from gramcoord.rank_worker.engine.acceptance import accepted_tokens, finish_reason
 from gramcoord.rank_worker.engine.frames import (
     Arrivals,
     BatchFrame,
@@ -23,7 +24,6 @@ from gramcoord.rank_worker.engine.frames import (
     Submitted,
     TokenResult,
 )
-from gramcoord.rank_worker.engine.last_stage import accepted_tokens
 from gramcoord.rank_worker.engine.loop import RankReport, replica_requests, run_loop
 from gramcoord.rank_worker.engine.models import SyntheticModel
 from gramcoord.rank_worker.engine.origin import Origin
@@ -93,7 +93,7 @@ def test_frames_decode_of_garbage_raises(kind):
         frames.decode(frames.encode(MESSAGES[1])[:-3], kind)
 
 
-# -- accepted_tokens --------------------------------------------------------------
+# -- acceptance: accepted_tokens, finish_reason --------------------------------------------------------------
 
 STOP = 99
 STOPS = frozenset({STOP})
@@ -118,6 +118,25 @@ STOPS = frozenset({STOP})
 )
 def test_accepted_tokens(picks, drafts, room, expected):
     assert accepted_tokens(picks, drafts, STOPS, room) == expected
+
+
+@pytest.mark.parametrize(
+    ("terminated", "accepted", "length", "expected"),
+    [
+        pytest.param(True, [1, STOP], 5, "grammar_end", id="grammar-took-its-stop"),
+        pytest.param(True, [1], 8, "grammar_end", id="terminated-beats-length"),
+        pytest.param(False, [1, STOP], 5, "stop", id="stop-without-grammar"),
+        pytest.param(False, [STOP], 8, "stop", id="stop-beats-length"),
+        pytest.param(False, [1, 2], 8, "length", id="at-max-tokens"),
+        pytest.param(False, [1, 2], 7, None, id="runs-on"),
+        pytest.param(False, [], 3, None, id="nothing-accepted"),
+    ],
+)
+def test_finish_reason(terminated, accepted, length, expected):
+    got = finish_reason(
+        terminated=terminated, accepted=accepted, stop_ids=STOPS, length=length, max_tokens=8
+    )
+    assert got == expected
 
 
 # -- Origin ---------------------------------------------------------------------

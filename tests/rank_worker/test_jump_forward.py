@@ -147,7 +147,7 @@ def test_dev_schemas_same_text_fewer_steps(qwen_tokenizer, dev_pool, mode):
         with_jf = GreedyDecoder(qwen_tokenizer, jump_forward=jf)
         a = plain.decode(GrammarState(compiled), model, request)
         b = with_jf.decode(GrammarState(compiled), model, request)
-        assert a.finish_reason == b.finish_reason == "stop", sid
+        assert a.finish_reason == b.finish_reason == "grammar_end", sid
         assert a.text == b.text == text, sid
         assert b.num_steps <= a.num_steps, sid
         assert b.num_steps_saved == jf.stats.num_steps_saved

@@ -101,7 +101,7 @@ def test_synthetic_follows_the_reference_under_the_grammar(
     decoder = GreedyDecoder(qwen_tokenizer, max_tokens=512)
     for sid, compiled, text in dev_pool[any_whitespace][:6]:
         result = decoder.decode(GrammarState(compiled), model, ModelRequest(sid, reference=text))
-        assert (result.text, result.finish_reason) == (text, "stop"), sid
+        assert (result.text, result.finish_reason) == (text, "grammar_end"), sid
         assert result.token_ids[-1] == qwen_tokenizer.eos_id
 
 
@@ -112,7 +112,7 @@ def test_synthetic_without_reference_finishes(qwen_tokenizer, dev_pool):
     for sid, compiled, _ in dev_pool[True][:6]:
         for rid in (sid, sid + "-again"):
             result = decoder.decode(GrammarState(compiled), model, ModelRequest(rid))
-            assert result.finish_reason == "stop", (rid, result.text)
+            assert result.finish_reason == "grammar_end", (rid, result.text)
             texts.add(result.text)
     assert len(texts) > 6  # some requests of one schema differ
 

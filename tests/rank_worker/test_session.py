@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gramcoord.rank_worker.engine.last_stage import accepted_tokens
+from gramcoord.rank_worker.engine.acceptance import accepted_tokens
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError
 from gramcoord.rank_worker.grammars.manager import ManagerStats
 from gramcoord.rank_worker.masks.grammar_state import GrammarState

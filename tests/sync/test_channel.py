@@ -348,6 +348,33 @@ def test_garbled_frames_are_dropped_and_every_step_still_arrives(run_id, kind, s
         assert reader.dropped == channel.corrupted == 4
 
 
+def test_a_garbled_announcement_overtaken_by_the_next_step_is_read_from_the_ring(run_id):
+    # A writer a step ahead of its reader: step 1's announcement is garbled
+    # and step 2's is queued behind it before the reader asks for step 1.
+    channel = BitmaskChannel(
+        readers=["tp1"],
+        vocab_size=VOCAB,
+        max_rows=MAX_ROWS,
+        config=TransportConfig(kind="auto", num_slots=4, timeout_s=5.0, handshake_timeout_s=5.0),
+        run_id=run_id,
+        corrupt_every=2,  # the second announcement sent: step 1's
+    )
+    with channel:
+        reader = join(channel, spin_us=0)["tp1"]
+        roundtrip(channel, reader, 0)
+        sent = {step: mask_for(step) for step in (1, 2)}
+        for step, (array, order, drafts) in sent.items():
+            channel.publish(step, array, order, drafts)
+        assert channel.corrupted == 1
+        for step, (array, order, drafts) in sent.items():
+            view, got_order, got_drafts = reader.receive(step)
+            assert digest(step, view, got_order, got_drafts) == digest(step, array, order, drafts)
+            reader.release(step)
+        assert reader.dropped == 1
+        roundtrip(channel, reader, 3)  # and the steps after go on as usual
+        reader.close()
+
+
 def test_rows_filled_through_another_view_of_the_slot_are_not_copied(pair, monkeypatch):
     channel, reader = pair
     array, order, drafts = mask_for(0)
