@@ -87,7 +87,7 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # exchange (and end-of-run vote) and settling it. A failure reaches every
     # replica this many steps later, and a replica waits for the others only
     # when it runs this far ahead; 0 settles each exchange in its own step.
-    # `gramcoord bench step` measures it (README, "Step cost").
+    # `gramcoord bench step` measures the step (README, "Performance").
     poison_lag_steps: Annotated[int, Meta(ge=0, le=64)] = 2
     # gramcoord's step loop: steps per TP determinism check. Every TP rank of
     # the last stage compares the tokens it sampled and the digests of the

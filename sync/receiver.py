@@ -415,12 +415,12 @@ class BitmaskReceiver:
         except ProtocolError as exc:
             self._client.reject(str(exc))
             return None
-        if message.step > step and isinstance(message, BitmaskReady) and POLLING_IS_SAFE:
-            # A writer that runs ahead announced a later step, and this
-            # step's announcement was lost or garbled: it is in the ring.
-            if (result := self._poll_ring(step, 0.0)) is not None:
-                self._early.append((message, frame))
-                return result
+        # A writer that runs ahead announced a later step, and this step's
+        # announcement was lost or garbled: it is in the ring.
+        ahead = message.step > step and isinstance(message, BitmaskReady) and POLLING_IS_SAFE
+        if ahead and (result := self._poll_ring(step, 0.0)) is not None:
+            self._early.append((message, frame))
+            return result
         if message.step != step:
             raise ProtocolError(
                 f"reader {self.name!r} waits for step {step} "
