@@ -49,7 +49,7 @@ def build_tiny_vllm_model(out: str | os.PathLike[str], *, seed: int = 0) -> Path
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from gramcoord.rank_worker.integrations.examples.hf_generate import qwen25_hf_tokenizer
+    from gramcoord.integrations.hf.tokenizer import qwen25_hf_tokenizer
 
     path = Path(out)
     if (path / _DONE).is_file():

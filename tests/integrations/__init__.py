@@ -1,1 +1,1 @@
-"""Tests of the host-library integrations (``gramcoord.rank_worker.integrations``)."""
+"""Tests of the host-library integrations (``gramcoord.integrations``: Hugging Face here, vLLM and SGLang in their folders)."""

@@ -58,7 +58,7 @@ def publish(grammar_backend: str, model_path: str, tp_size: int = 1) -> Any:
 @functools.lru_cache(maxsize=1)
 def host(grammar_backend: str = "gramcoord", tp_size: int = 1) -> Host:
     """The Qwen2.5 tokenizer and SGLang's context (``tp_size`` TP ranks), once per process."""
-    from gramcoord.rank_worker.integrations.examples.hf_generate import qwen25_hf_tokenizer
+    from gramcoord.integrations.hf.tokenizer import qwen25_hf_tokenizer
 
     tokenizer = qwen25_hf_tokenizer()
     path = tempfile.mkdtemp(prefix="gramcoord-sglang-tok-")

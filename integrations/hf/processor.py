@@ -19,7 +19,7 @@ import transformers
 from gramcoord.rank_worker.errors import GrammarError
 
 if TYPE_CHECKING:
-    from gramcoord.rank_worker.integrations.hf import GenerateSession
+    from gramcoord.integrations.hf.generate import GenerateSession
 
 __all__ = ["FailedRows", "GrammarLogitsProcessor"]
 

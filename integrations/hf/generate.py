@@ -87,9 +87,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from gramcoord.integrations.hf.processor import FailedRows, GrammarLogitsProcessor
 from gramcoord.rank_worker.grammars.manager import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
-from gramcoord.rank_worker.integrations.hf_processor import FailedRows, GrammarLogitsProcessor
 from gramcoord.rank_worker.session.session import RankSession
 from gramcoord.rank_worker.session.types import SessionConfig
 
