@@ -167,7 +167,7 @@ def make_llm(model: str, backend: str, **kw: Any) -> Any:
 
 
 def _data_dir(data: str | None) -> Path:
-    from gramcoord.launch.bench import installed_data_dir
+    from gramcoord.benchmarks._contract import installed_data_dir
     from gramcoord.launch.workload import dev_data_dir
 
     return Path(data) if data else (installed_data_dir() or dev_data_dir())

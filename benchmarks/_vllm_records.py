@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gramcoord.launch.bench import BenchRecord
+from gramcoord.benchmarks._contract import BenchRecord
 
 # Parts of the engine step reported, in the order of a step.
 PARTS = (

@@ -46,7 +46,7 @@ import os
 import statistics
 import sys
 
-from gramcoord.launch.bench import BenchRecord, median_ms
+from gramcoord.benchmarks._contract import BenchRecord, median_ms
 from gramcoord.launch.procs import free_port, run_procs
 
 CHILD_TIMEOUT_S = 600
@@ -485,6 +485,6 @@ def run(args: list[str]) -> list[BenchRecord]:
 
 
 if __name__ == "__main__":
-    from gramcoord.launch.bench import format_table
+    from gramcoord.benchmarks._contract import format_table
 
     print(format_table(run(sys.argv[1:])))

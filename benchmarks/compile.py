@@ -51,8 +51,8 @@ from pathlib import Path
 import xgrammar as xgr
 
 from gramcoord.benchmarks._compile_worker import OUR_COMPILER, CompileWorker
+from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, median_ms
 from gramcoord.benchmarks._vllm_path import VLLM_COMPILER, VllmRefail
-from gramcoord.launch.bench import BenchRecord, add_data_arg, median_ms
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager

@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xgrammar as xgr
 
+from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, median_ms
 from gramcoord.benchmarks.jump_forward import dev_records, usable_instances
-from gramcoord.launch.bench import BenchRecord, add_data_arg, median_ms
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_threads

@@ -38,7 +38,7 @@ import msgspec
 import torch
 import xgrammar as xgr
 
-from gramcoord.launch.bench import BenchRecord, add_data_arg
+from gramcoord.benchmarks._contract import BenchRecord, add_data_arg
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.engine.decoder import GreedyDecoder

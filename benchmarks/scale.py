@@ -52,10 +52,10 @@ import sys
 import time
 from pathlib import Path
 
+from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks._scale_hosts import placement, sigterm_unwinds
 from gramcoord.benchmarks._scale_plot import write_svg
 from gramcoord.benchmarks.agreement import _interleaved, _local_status, _sglang_step
-from gramcoord.launch.bench import BenchRecord
 from gramcoord.launch.procs import free_port, run_procs
 
 CHILD_TIMEOUT_S = 300
@@ -394,6 +394,6 @@ def _summary(opts, series) -> None:
 
 
 if __name__ == "__main__":
-    from gramcoord.launch.bench import format_table
+    from gramcoord.benchmarks._contract import format_table
 
     print(format_table(run(sys.argv[1:])))

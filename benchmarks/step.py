@@ -51,6 +51,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from gramcoord.benchmarks._contract import BenchRecord, format_table, package_dir
 from gramcoord.benchmarks._step_common import (
     RankRun,
     forward_ms,
@@ -59,7 +60,6 @@ from gramcoord.benchmarks._step_common import (
 )
 from gramcoord.benchmarks._step_ours import STRATEGIES
 from gramcoord.benchmarks._step_world import DP, TP, WorldOptions
-from gramcoord.launch.bench import BenchRecord, format_table, package_dir
 from gramcoord.launch.procs import run_ranks
 from gramcoord.rank_worker.masks.bitmask import DEFAULT_PARALLEL_THRESHOLD, default_fill_threads
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from gramcoord.launch.bench import BenchRecord  # noqa: E402
+from gramcoord.benchmarks._contract import BenchRecord  # noqa: E402
 from gramcoord.launch.procs import run_ranks  # noqa: E402
 
 WORKLOAD = ROOT / "configs" / "workload.jsonl"
@@ -146,6 +146,6 @@ def run(args: list[str]) -> list[BenchRecord]:
 
 
 if __name__ == "__main__":
-    from gramcoord.launch.bench import format_table
+    from gramcoord.benchmarks._contract import format_table
 
     print(format_table(run(sys.argv[1:])))

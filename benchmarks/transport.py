@@ -61,8 +61,8 @@ import time
 import msgspec
 import numpy as np
 
+from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue, QueueHandle
-from gramcoord.launch.bench import BenchRecord
 from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig
 
 WIDTH = 4748  # ceil(151936 / 32)

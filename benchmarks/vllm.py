@@ -33,8 +33,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks._vllm_records import hol_records, load_json, step_records
-from gramcoord.launch.bench import BenchRecord
 
 NOT_INSTALLED = (
     "gramcoord bench vllm needs vLLM 0.32 in this environment (not importable here); "
@@ -86,7 +86,7 @@ def _free_port() -> int:
 
 
 def _run(cmd: list[str], log: Path, timeout_s: float) -> None:
-    from gramcoord.launch.bench_all import run_child
+    from gramcoord.benchmarks._all import run_child
 
     rc, wall = run_child(cmd, log, timeout_s)
     if rc != 0:

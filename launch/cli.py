@@ -166,15 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         rest = [a for a in extra if a != "--"] + (["--help"] if args.help else [])
         if args.name is None:
-            from gramcoord.launch.bench import available
+            from gramcoord.benchmarks._contract import available
 
             print(args.bench_help() + f"\nbenchmarks: {', '.join(available())}, all")
             return 0 if args.help else 2
         if args.name == "all":
-            from gramcoord.launch.bench_all import bench_all
+            from gramcoord.benchmarks._all import bench_all
 
             return bench_all(rest, Path(args.out))
-        from gramcoord.launch.bench import run_bench
+        from gramcoord.benchmarks._contract import run_bench
 
         run_bench(args.name, rest, Path(args.out))
         return 0

@@ -48,7 +48,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-# NOTE: like ``launch/bench.py``, this assumes the checkout layout (an
+# NOTE: like ``benchmarks/_contract.py``, this assumes the checkout layout (an
 # editable install): the repo root holds ``tests/data``, and the full dev
 # data may sit beside the checkout in ``../shared/data``.
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -263,8 +263,8 @@ def test_bench_runs_from_the_installed_package(installed, tmp_path):
     """No checkout on the path: the benchmarks, their data and the default config
     come from the install."""
     code = (
-        "from gramcoord.launch.bench import available, installed_data_dir, load;"
-        "from gramcoord.launch.bench_all import default_config;"
+        "from gramcoord.benchmarks._contract import available, installed_data_dir, load;"
+        "from gramcoord.benchmarks._all import default_config;"
         "print(load('transport').__file__);"
         "print(installed_data_dir());"
         "print(default_config()[0]);"

@@ -19,9 +19,9 @@ Written to ``DIR``:
 - ``bench.json``: every record (``BenchRecord``, ``bench`` naming its
   benchmark), one error row (``error`` set) per benchmark that failed;
 - ``bench_runs.json``: per benchmark its arguments, exit, wall time;
-- ``bench.md``: the tables (``launch/bench_report.py``);
+- ``bench.md``: the tables (``benchmarks/_report.py``);
 - ``bench.png``: ratio against target per record, and the breakdown
-  (``launch/bench_plot.py``).
+  (``benchmarks/_plot.py``).
 
 On the console: a line per benchmark as it runs, then the records as a
 table cut to the terminal's width (``$COLUMNS``; notes shortened, whole in
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import msgspec
 
-from gramcoord.launch.bench import BenchRecord, available, package_dir, write_records
-from gramcoord.launch.bench_report import (
+from gramcoord.benchmarks._contract import BenchRecord, available, package_dir, write_records
+from gramcoord.benchmarks._report import (
     BenchRun,
     StepBreakdown,
     breakdown_of,
@@ -314,7 +314,7 @@ def bench_all(argv: list[str], out_dir: Path) -> int:
         msgspec.json.format(msgspec.json.encode(runs), indent=2)
     )
     (out_dir / "bench.md").write_text(markdown(records, runs, breakdown))
-    from gramcoord.launch.bench_plot import plot
+    from gramcoord.benchmarks._plot import plot
 
     plot(records, breakdown, out_dir / "bench.png")
     width = _width()

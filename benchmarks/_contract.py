@@ -6,7 +6,7 @@ defines ``run(args: list[str]) -> list[BenchRecord]``. Modules whose name
 starts with ``_``, or that define no ``run``, are helpers.
 ``gramcoord bench NAME --out DIR`` imports the module, runs it, prints the
 records as a table and writes ``DIR/bench.json``; ``gramcoord bench all``
-(``launch/bench_all.py``) runs every one.
+(``benchmarks/_all.py``) runs every one.
 
 ``ratio`` is the baseline's median time divided by ours, so higher is
 better. ``target`` is the ratio the design asks for (``None`` when the row

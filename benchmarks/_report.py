@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from gramcoord.launch.bench import BenchRecord
+from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.rank_worker.engine.timings import Percentiles
 
 # (label, key in summary.json's latency_ms): the parts of one step.

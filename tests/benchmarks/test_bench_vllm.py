@@ -12,8 +12,8 @@ import json
 
 import pytest
 
+from gramcoord.benchmarks._all import missing_need
 from gramcoord.benchmarks._vllm_records import HOL_TARGET, PARTS, hol_records, step_records
-from gramcoord.launch.bench_all import missing_need
 from gramcoord.launch.cli import main
 
 no_vllm = pytest.mark.skipif(

@@ -12,8 +12,8 @@ import json
 import msgspec
 import pytest
 
-from gramcoord.launch.bench import BenchRecord
-from gramcoord.launch.bench_report import console_table, target_counts, targets_line
+from gramcoord.benchmarks._contract import BenchRecord
+from gramcoord.benchmarks._report import console_table, target_counts, targets_line
 from gramcoord.launch.cli import main
 from tests.launch.entries import descendants
 

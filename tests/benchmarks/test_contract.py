@@ -14,8 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gramcoord.launch import bench as bench_mod
-from gramcoord.launch.bench import (
+from gramcoord.benchmarks import _contract as bench_mod
+from gramcoord.benchmarks._all import PLANS, _parse, _selection, default_config
+from gramcoord.benchmarks._contract import (
     BenchRecord,
     available,
     format_table,
@@ -23,9 +24,8 @@ from gramcoord.launch.bench import (
     load,
     run_bench,
 )
-from gramcoord.launch.bench_all import PLANS, _parse, _selection, default_config
-from gramcoord.launch.bench_plot import plot, score
-from gramcoord.launch.bench_report import BenchRun, StepBreakdown, breakdown_of, markdown
+from gramcoord.benchmarks._plot import plot, score
+from gramcoord.benchmarks._report import BenchRun, StepBreakdown, breakdown_of, markdown
 from gramcoord.launch.cli import main
 from gramcoord.rank_worker.engine.timings import percentiles
 
@@ -40,7 +40,7 @@ def fake_pkg(tmp_path, monkeypatch):
     pkg.mkdir()
     files = {
         "ok.py": """
-            from gramcoord.launch.bench import BenchRecord
+            from gramcoord.benchmarks._contract import BenchRecord
 
             def run(args):
                 n = int(args[0]) if args else 1
@@ -321,7 +321,7 @@ def test_bench_help_is_the_named_benchmarks_own(argv, want, capsys):
 
 
 def test_repeated_record_names_get_told_apart_in_the_plot():
-    from gramcoord.launch.bench_plot import _label
+    from gramcoord.benchmarks._plot import _label
 
     def rec(name, baseline, note):
         r = BenchRecord.compare(name, baseline, 1.0, 2.0, target=1.0, note=note)
