@@ -91,8 +91,10 @@ class Admission:
     ) -> Admission:
         """Admission for ``comm.rank`` (a stage leader), sized from the manager's config."""
         coordinator = None
-        wait = stage_wait_s(manager.config.compile_timeout_s, distributed.step_timeout_s)
-        if layout.pp > 1 and wait < manager.config.compile_timeout_s:
+        wait = manager.config.compile_timeout_s
+        if layout.pp > 1:  # only later stages follow stage 0's decisions
+            wait = stage_wait_s(wait, distributed.step_timeout_s)
+        if wait < manager.config.compile_timeout_s:
             logger.warning(
                 "[rank %d] later stages wait at most %.1fs for compiles (half the step timeout), "
                 "not compile_timeout_s=%.1fs",
