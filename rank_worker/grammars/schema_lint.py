@@ -33,7 +33,7 @@ from typing import Any
 from urllib.parse import unquote
 
 # Formats xgrammar 0.2.9 enforces (each rejects "% %" where a plain string
-# accepts it; tests/rank_worker/test_schema_lint.py re-checks this list).
+# accepts it; tests/rank_worker/grammars/test_schema_lint.py re-checks this list).
 SUPPORTED_FORMATS = frozenset(
     {
         "email",

@@ -5,7 +5,7 @@ pairwise disjoint; otherwise it logs a C++ warning ("oneOf with overlapping
 or non-provably-disjoint branches ...") and compiles the node as ``anyOf``.
 ``one_of_is_exact`` decides that in Python, so ``schema_reach`` can put the
 warning on the request (``oneof_as_anyof``) identically on every rank.
-Measured on 0.2.9 (tests/rank_worker/test_native_output.py re-checks it
+Measured on 0.2.9 (tests/rank_worker/grammars/test_native_output.py re-checks it
 against the library):
 
 - A branch set is proven disjoint when (a) every branch is a plain type

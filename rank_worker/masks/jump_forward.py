@@ -88,7 +88,7 @@ Model steps saved (real: decoding with and without jump-forward) on the 120
 dev instances of ``bench fill`` (synthetic model, K = 0), and how many
 outputs have the same text as without jump-forward, among the runs that
 did not end on ``max_tokens``; ``measure`` in
-``tests/rank_worker/test_jump_identity.py``. The model follows the valid
+``tests/rank_worker/masks/test_jump_identity.py``. The model follows the valid
 instance (``max_tokens`` 1024; 14223 / 11429 steps without jump-forward),
 an invalid one (112 instances; it improvises where the grammar forbids it)
 or none (it improvises throughout); ``max_tokens`` 512 for those two.

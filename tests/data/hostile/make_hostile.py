@@ -796,7 +796,7 @@ reference) plus `expect`: `{"code": C}` (the request fails with code C) or
 because the big entries make it about 16 MB as text.
 
 Made by `make_hostile.py` (deterministic: same bytes every run); never edit
-the corpus by hand. `tests/rank_worker/test_hostile.py` checks that the
+the corpus by hand. `tests/rank_worker/grammars/test_hostile.py` checks that the
 committed file equals the script's output, and runs every entry through a
 rank's session; `tests/launch/test_hostile_run.py` runs them inside a
 one-process run next to normal records.

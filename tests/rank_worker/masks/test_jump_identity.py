@@ -13,7 +13,7 @@ example and on a sample of dev schemas with two text-keyed models:
   merges forced and free text (``}],`` when only ``}`` is forced) — the case
   that makes greedy jump-forward change outputs.
 
-``measure`` (also ``python -m tests.rank_worker.test_jump_identity``)
+``measure`` (also ``python -m tests.rank_worker.masks.test_jump_identity``)
 reports model steps and the share of identical outputs per mode.
 """
 

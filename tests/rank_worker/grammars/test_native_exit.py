@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Finalization outlasts any compile here: the abort comes when a compile
 # returns during it; with the fix the process leaves before it begins.
