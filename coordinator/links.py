@@ -82,7 +82,7 @@ class ByteLink:
         if size < 0:
             raise ValueError(f"rank {src} sent a negative message length {size}")
         if size <= INLINE_BYTES:
-            data = first[1:].tobytes()[:size]
+            data = first[1 : 1 + (size + _WORD - 1) // _WORD].tobytes()[:size]
         else:
             words = np.zeros((size + _WORD - 1) // _WORD, dtype=np.int64)
             self.comm.recv(self.group, src, words, tag=TAG_PAYLOAD, operation=operation, step=step)

@@ -413,9 +413,7 @@ class RankSession(SessionMasks):
         ready = admission.last_ready
         vote = admission.last_result.vote if admission.last_result is not None else None
         all_idle = None if vote is None else not vote[1]
-        coordinator = admission.coordinator
-        posted = coordinator is not None and coordinator.poison is not None
-        if busy is not None and not (posted and coordinator.poison_in_step):
+        if busy is not None and self._share_in_step() is None:
             all_idle = self.all_done(step, not busy)  # no posted exchange: vote now
         return StepOutcome(
             admitted, failed, [o for o in failed if o.seq in ready], all_idle=all_idle
@@ -510,12 +508,15 @@ class RankSession(SessionMasks):
         ``distributed.poison_lag_steps`` where ``step`` posts a poison
         exchange (stage leaders of partitioned replicas), else 0.
         """
-        admission = self.admission
-        coordinator = admission.coordinator if admission is not None else None
-        share = coordinator.poison if coordinator is not None else None
-        if share is None or not coordinator.poison_in_step:
-            return 0
-        return share.lag_steps
+        share = self._share_in_step()
+        return share.lag_steps if share is not None else 0
+
+    def _share_in_step(self):
+        """The poison exchange ``step`` posts, or None (no replicas, or ``host`` mode)."""
+        coordinator = self.admission.coordinator if self.admission is not None else None
+        if coordinator is None or not coordinator.poison_in_step:
+            return None
+        return coordinator.poison
 
     def all_done(self, step: int, done: bool) -> bool:
         """Whether every replica's stage-0 leader is done (one tiny all_gather, now).
