@@ -134,10 +134,10 @@ def run_ours(
     builder = None
     clock = RunClock(record_batches=session.is_leader, tp_group=tp_group)
     try:
-        if session.builder is not None:
+        if session.has("masks"):
             builder = make_builder(strategy, tokenizer.vocab_size, max_num_seqs)
             if builder is not None:
-                session.builder = builder
+                session.masks.builder = builder
         report = run_loop(
             session,
             [r.engine_request() for r in requests],

@@ -69,18 +69,20 @@ def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dic
         scheduler=SchedulerConfig(max_num_seqs=len(reqs)),
     )
     session = RankSession.attach(tok, config, force_sync=False)
+    sched = session.leader if session.is_leader else session.follower
+    masks = session.masks
     model, sampler = SyntheticModel(tok), Sampler(SamplingConfig())
     rows_ms: list[float] = []
     compile_ms = 0.0
     try:
         done: set[str] = set()
         for rid, (spec, _) in reqs.items():
-            if session.submit(rid, spec).status == "failed":
+            if sched.submit(rid, spec).status == "failed":
                 done.add(rid)
         running: dict[str, list[int]] = {}
         step = 0
         while len(done) < len(reqs):
-            decided = session.step(step)
+            decided = sched.step(step)
             for o in decided.admitted:
                 running[o.request_id] = []
                 compile_ms += o.compile_ms
@@ -88,22 +90,22 @@ def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dic
             batch = sorted(running)
             if batch:
                 t0 = time.perf_counter()
-                masks = session.bitmask(batch, step=step)
+                rows = masks.bitmask(batch, step=step)
                 if session.is_leader:
-                    session.publish(step, masks)
+                    masks.publish(step, rows)
                 rows_ms.append((time.perf_counter() - t0) * 1e3)
                 logits = model.logits(
                     [(ModelRequest(r, reference=reqs[r][1]), running[r]) for r in batch]
                 )
-                session.apply(logits, masks.rows, batch=batch, constrained=batch, num_drafts={})
-                session.release(step)
+                masks.apply(logits, rows.rows, batch=batch, constrained=batch, num_drafts={})
+                masks.release(step)
                 for r, t in zip(
                     batch, sampler.sample(logits, [(r, len(running[r])) for r in batch])
                 ):
                     running[r].append(t)
-                    if session.advance(r, [t]) or len(running[r]) >= max_tokens:
+                    if masks.advance(r, [t]) or len(running[r]) >= max_tokens:
                         running.pop(r)
-                        session.finish(r)
+                        sched.finish(r)
                         done.add(r)
             else:
                 time.sleep(0.002)

@@ -1,7 +1,7 @@
 """One stage leader's per-step coordination: poison exchange, agreement, chain.
 
 A ``Coordinator`` drives a ``Member`` -- in production the rank's
-``GrammarManager`` behind ``gramcoord.rank_worker.grammars.admission`` -- through one step:
+``GrammarManager`` itself, driven by ``rank_worker.session.leader`` -- through one step:
 
 decider (stage 0, or every stage leader with ``pp_sync: collective``)
     1. post new failures (and the end-of-run vote) to the DP leaders, and

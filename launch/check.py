@@ -35,7 +35,8 @@ from rich.table import Table
 
 from gramcoord.launch.config import ClusterConfig
 from gramcoord.launch.workload import WorkloadRecord, load_workload
-from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.native_log import native_stderr_redirected
 

@@ -43,8 +43,8 @@ grammars, builds and applies bitmask rows; all agreement happens in
 
 The step counter
 ----------------
-``prepare`` submits every spec, then calls ``session.step(n)`` followed by
-``session.all_done(n, done)`` until every rank's requests are admitted or
+``prepare`` submits every spec, then calls ``session.leader.step(n)`` followed by
+``session.leader.all_done(n, done)`` until every rank's requests are admitted or
 failed. ``all_done`` is one tiny all_gather whose answer is the same on every
 rank, so every rank leaves after the same step, although partitioned
 replicas finish admission at different steps and each ``step`` posts a
@@ -52,7 +52,7 @@ collective among them (the poison exchange). ``n`` is one counter per
 ``GenerateSession`` that keeps increasing across ``prepare`` calls (the
 coordinator refuses a step that does not increase). A step that failed a
 request with a poisoning code (``grammar_invalid``, ``grammar_timeout``)
-votes "not done" for ``session.poison_lag_steps + 1`` more steps: the
+votes "not done" for ``session.leader.poison_lag_steps + 1`` more steps: the
 failure is posted at the next step and settles that many steps later, so
 the peers' poison caches hold the key before ``prepare`` returns.
 
@@ -88,7 +88,7 @@ import torch
 import torch.distributed as dist
 
 from gramcoord.integrations.hf.processor import FailedRows, GrammarLogitsProcessor
-from gramcoord.rank_worker.grammars.manager import Outcome
+from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.session.session import RankSession
 from gramcoord.rank_worker.session.types import SessionConfig
@@ -213,7 +213,7 @@ class GenerateSession:
     session:
         The wrapped ``RankSession``.
     num_steps:
-        ``session.step`` calls made by ``prepare`` so far (the same on every
+        ``session.leader.step`` calls made by ``prepare`` so far (the same on every
         rank).
 
     Raises
@@ -308,7 +308,7 @@ class GenerateSession:
 
     @property
     def next_step(self) -> int:
-        """The step number the next ``session.step`` call will use."""
+        """The step number the next ``session.leader.step`` call will use."""
         return self._next_step
 
     # -- admission (collective) -------------------------------------------------
@@ -354,28 +354,28 @@ class GenerateSession:
             seen.add(rid)
         outcomes: dict[str, Outcome] = {}
         for rid, spec in requests:
-            o = self.session.submit(rid, spec)
+            o = self.session.leader.submit(rid, spec)
             outcomes[rid] = o
             self._records[rid] = _Record(o)
         undecided = {rid for rid, o in outcomes.items() if o.status in ("pending", "waiting")}
-        session = self.session
+        leader = self.session.leader
         # Steps a poisoning failure still needs to reach every peer.
         hold = 0
         while True:
             step = self._next_step
             self._next_step += 1
             self.num_steps += 1
-            decided = session.step(step)
+            decided = leader.step(step)
             for o in (*decided.admitted, *decided.failed):
                 if o.request_id in undecided:
                     undecided.discard(o.request_id)
                     outcomes[o.request_id] = o
                     self._records[o.request_id].outcome = o
                 if o.status == "failed" and o.code in _POISONING:
-                    hold = session.poison_lag_steps + 1
+                    hold = leader.poison_lag_steps + 1
             done = not undecided and hold == 0
             hold = max(0, hold - 1)
-            if session.all_done(step, done):
+            if leader.all_done(step, done):
                 return outcomes
             if undecided:
                 time.sleep(self.poll_s)
@@ -468,7 +468,7 @@ class GenerateSession:
             if rec.outcome.status == "admitted":
                 # A failed request already left the manager (and its id may
                 # name another live request: duplicate_request_id).
-                self.session.finish(rid)
+                self.session.leader.finish(rid)
             out[rid] = rec.result(self.tokenizer)
         return out
 

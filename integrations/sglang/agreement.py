@@ -43,7 +43,8 @@ from gramcoord.coordinator.coordinator import wall_clock_ms
 from gramcoord.coordinator.status import Decision, PendingState, decide_alone
 from gramcoord.integrations.pending_report import PendingDivergence, gather_decision, slot_id
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.manager import GrammarManager, Outcome
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.outcome import Outcome
 
 __all__ = ["AgreedFuture", "Agreement", "AgreementDivergence"]
 

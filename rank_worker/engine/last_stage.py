@@ -13,10 +13,11 @@ Every rank of the last stage runs ``LastStage.run`` on the step's
   samples, and keeps its copy of each output from the frames.
 
 Then all TP ranks compare what they sampled and the digest of the rows they
-applied (one posted ``all_gather`` on the stage's tp group every
-``distributed.tp_check_steps`` steps). A difference is a
-``DeterminismError`` that names the rank, the step, the request and the
-position.
+applied (``TpCheck``, one posted ``all_gather`` every
+``distributed.tp_check_steps`` steps).
+
+The leader uses the session's ``leader`` and ``masks`` roles, a worker its
+``reader``; nothing else of the session but its context.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from gramcoord.rank_worker.engine.frames import BatchFrame, StepResults, TokenRe
 from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
 from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.engine.timings import Timings
-from gramcoord.rank_worker.errors import DeterminismError, GrammarError
+from gramcoord.rank_worker.engine.tp_check import TpCheck
+from gramcoord.rank_worker.errors import GrammarError
 from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
 from gramcoord.rank_worker.session.session import MaskBatch, RankSession
 
@@ -76,14 +78,19 @@ class LastStage:
         make_drafter: Callable[[ModelRequest], object | None] | None = None,
     ) -> None:
         self.session = session
+        self.leader = session.is_leader
+        if self.leader:
+            self._stage = session.leader
+            self._masks = self.rows = session.masks
+        else:
+            self.rows = self._reader = session.reader
         self.model = model
         self.sampler = sampler
         self.timings = timings
         self.make_drafter = make_drafter
-        self.leader = session.is_leader
         self.stop_ids = frozenset(session.tokenizer.stop_ids)
         self.views: dict[str, _View] = {}
-        self.k = session.k
+        self.k = session.config.speculative.num_tokens
         # Fault injection (``faults.flip_mask_bit``): flip one bit of the
         # first row applied at or after this step, so the determinism check
         # must catch it; -1 when unset.
@@ -91,16 +98,23 @@ class LastStage:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mask-build") if self.leader else None
         # Failures of this stage's admission (e.g. grammar_stage_timeout).
         self.stage_failures: dict[str, tuple[str, str]] = {}
-        # The TP check (see _check_tp): this window's rows and row positions,
-        # and the window posted before it, still in flight.
-        self._tp_every = session.config.distributed.tp_check_steps
-        self._tp_rows: list[tuple[int, int, int]] = []
-        self._tp_positions: list[list[tuple[str, int, int]]] = []
-        self._tp_pending = None
+        self._tp_check = None
+        if session.runtime is not None and session.layout.tp > 1:
+            self._tp_check = TpCheck(
+                session.runtime,
+                session.rank,
+                every=session.config.distributed.tp_check_steps,
+                max_rows=session.config.scheduler.max_num_seqs * (1 + self.k),
+            )
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def settle_tp_check(self) -> None:
+        """Wait for the last TP check (the loop calls it after its last step)."""
+        if self._tp_check is not None:
+            self._tp_check.settle()
 
     # -- one step ---------------------------------------------------------------
 
@@ -114,7 +128,7 @@ class LastStage:
                 v = self.views[s.request_id]
                 if s.rollback:
                     del v.out[len(v.out) - s.rollback :]
-                    self.session.applier.digests.truncate(s.request_id, len(v.out))
+                    self.rows.truncate(s.request_id, len(v.out))
                 v.out.extend(s.new_tokens)
         for rid in frame.finished:
             self.views.pop(rid, None)
@@ -124,7 +138,6 @@ class LastStage:
         return None
 
     def _leader_step(self, frame: BatchFrame) -> StepResults:
-        session = self.session
         for f in frame.failed_upstream:
             self.stage_failures.setdefault(f.request_id, (f.code, f.message))
         # Report a stage failure once the request has started here; keep the
@@ -137,7 +150,7 @@ class LastStage:
             v = self.views[s.request_id]
             if s.request_id in errors:
                 continue
-            if v.constrained and not session.is_running(s.request_id):
+            if v.constrained and not self._masks.is_running(s.request_id):
                 errors[s.request_id] = ("grammar_stage_timeout", "not compiled on the last stage")
                 continue
             runnable.append(s)
@@ -159,7 +172,7 @@ class LastStage:
             masks, build_ms, publish_ms = build.result()
         self.timings.add("forward", (t1 - t0) * 1e3)
         self.timings.add("mask_build", build_ms)
-        if self.session.channel is not None:
+        if self.session.layout.tp > 1:
             self.timings.add("transport", publish_ms)
         picks, row_digests = self._mask_and_sample(
             frame.step, logits, runnable, constrained, masks.rows
@@ -181,13 +194,13 @@ class LastStage:
 
     def _build(self, step: int, constrained: list[str], drafts: list[tuple[int, ...]]):
         t0 = time.perf_counter()
-        masks = self.session.bitmask(constrained, drafts)
+        masks = self._masks.bitmask(constrained, drafts)
         t1 = time.perf_counter()
-        self.session.publish(step, masks)
+        self._masks.publish(step, masks)
         return masks, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
 
     def _worker_step(self, frame: BatchFrame) -> None:
-        reader = self.session.reader
+        reader = self._reader
         t0 = time.perf_counter()
         got = reader.receive(frame.step)
         self.timings.add("transport", (time.perf_counter() - t0) * 1e3)
@@ -216,9 +229,7 @@ class LastStage:
             room = v.max_tokens - len(v.out)
             acc = accepted_tokens(picks[offset : offset + n], s.drafts, self.stop_ids, room)
             if s.request_id in row_digests:
-                self.session.applier.commit(
-                    s.request_id, len(v.out), row_digests[s.request_id][: len(acc)]
-                )
+                reader.commit(s.request_id, len(v.out), row_digests[s.request_id][: len(acc)])
             offset += n
 
     # -- shared parts -------------------------------------------------------------
@@ -232,7 +243,6 @@ class LastStage:
         return self.model.logits(rows)
 
     def _mask_and_sample(self, step, logits, runnable, constrained, rows: np.ndarray):
-        session = self.session
         if 0 <= self._flip_step <= step and len(rows):
             # The first step at or after the target that masks anything.
             self._flip_step = -1
@@ -241,7 +251,7 @@ class LastStage:
         t0 = time.perf_counter()
         batch = [s.request_id for s in runnable]
         num_drafts = {s.request_id: len(s.drafts) for s in runnable}
-        step_digest, row_digests = session.apply(
+        step_digest, row_digests = self.rows.apply(
             logits, rows, batch=batch, constrained=constrained, num_drafts=num_drafts
         )
         self.timings.add("apply", (time.perf_counter() - t0) * 1e3)
@@ -250,102 +260,22 @@ class LastStage:
             base = len(self.views[s.request_id].out)
             keys.extend((s.request_id, base + i) for i in range(len(s.drafts) + 1))
         picks = self.sampler.sample(logits, keys)
-        self._check_tp(step, picks, step_digest, runnable, row_digests)
+        if self._tp_check is not None:
+            self._tp_check.add(step, picks, step_digest, self._row_positions(runnable, row_digests))
         return picks, row_digests
-
-    def _check_tp(self, step, picks, step_digest, runnable, row_digests) -> None:
-        """Add this step to the TP cross-check; post a window of steps every few steps.
-
-        Every TP rank of the stage keeps ``[step, hash(picks), step digest]``
-        per step and, every ``distributed.tp_check_steps`` steps, posts the
-        window in one ``all_gather`` without waiting; the window posted
-        before is settled then. A rank never waits on its peers here unless
-        it runs a window ahead, and a difference is reported within two
-        windows, naming the first step and row that differed.
-        """
-        runtime = self.session.runtime
-        if runtime is None or self.session.layout.tp == 1:
-            return
-        h = hash(tuple(picks)) & 0x7FFFFFFFFFFFFFFF
-        self._tp_rows.append((step, h, step_digest))
-        self._tp_positions.append(self._row_positions(runnable, row_digests))
-        if len(self._tp_rows) >= self._tp_every:
-            self._post_tp_check()
-
-    def _post_tp_check(self) -> None:
-        self._settle_posted()
-        rows, self._tp_rows = self._tp_rows, []
-        positions, self._tp_positions = self._tp_positions, []
-        flat = np.array(rows, dtype=np.int64).reshape(-1)
-        pending = self.session.runtime.all_gather_start(
-            "tp", flat, operation="tp sample check", step=rows[-1][0]
-        )
-        self._tp_pending = (pending, rows, positions)
-
-    def settle_tp_check(self) -> None:
-        """Wait for the last posted TP check; raise ``DeterminismError`` if it differed.
-
-        The step loop calls it once more after its last step (it posts what
-        is left of the window first, on every TP rank alike).
-        """
-        if self._tp_rows:
-            self._post_tp_check()
-        self._settle_posted()
-
-    def _settle_posted(self) -> None:
-        if self._tp_pending is None:
-            return
-        (pending, rows, positions), self._tp_pending = self._tp_pending, None
-        got = pending.wait()
-        if (got == got[0]).all():
-            return
-        per_step = got.reshape(len(got), len(rows), 3)
-        i = int(np.flatnonzero((per_step != per_step[0]).any(axis=(0, 2)))[0])
-        step = rows[i][0]
-        runtime = self.session.runtime
-        ranks = runtime.members("tp")
-        odd = tuple(r for r, g in zip(ranks, per_step[:, i]) if not (g == per_step[0, i]).all())
-        rid, pos = self._first_difference(step, positions[i])
-        raise DeterminismError(
-            f"[rank {self.session.rank}] step {step}: TP ranks {list(odd)} sampled or "
-            f"masked differently from rank {ranks[0]}; first differing row: request {rid!r}, "
-            f"position {pos}",
-            ranks=odd,
-            request_id=rid,
-            position=pos,
-        )
-
-    def _row_positions(self, runnable, row_digests) -> list[tuple[str, int, int]]:
-        """(request, position, digest) of every digested row of this step."""
-        rows = []
-        for s in runnable:
-            base = len(self.views[s.request_id].out)
-            for i, d in enumerate(row_digests.get(s.request_id, ())):
-                rows.append((s.request_id, base + i, d))
-        return rows
-
-    def _first_difference(self, step, rows) -> tuple[str, int]:
-        """Only after a mismatch: exchange the rows' digests to name the first that differs."""
-        flat = np.zeros(self.session.config.scheduler.max_num_seqs * (1 + self.k), np.int64)
-        flat[: len(rows)] = [d for _, _, d in rows]
-        got = self.session.runtime.all_gather("tp", flat, operation="tp digest exchange", step=step)
-        for j, (rid, pos, _) in enumerate(rows):
-            if not (got[:, j] == got[0, j]).all():
-                return rid, pos
-        return ("<sampled tokens>", -1)
 
     # -- acceptance (leader) ------------------------------------------------------
 
     def _drop(self, rid: str) -> None:
         self.views.pop(rid, None)
-        self.session.finish(rid)
+        self._stage.finish(rid)
 
     def _accept(self, rid, drafts, picks, row_digests, masks: MaskBatch) -> TokenResult:
-        session, v = self.session, self.views[rid]
+        stage, roles, v = self._stage, self._masks, self.views[rid]
         before = list(v.out)
         if rid in masks.failures:
             err = masks.failures[rid]
-            session.finish(rid)
+            stage.finish(rid)
             self.views.pop(rid)
             return TokenResult(
                 rid,
@@ -357,11 +287,11 @@ class LastStage:
             )
         acc = accepted_tokens(picks, drafts, self.stop_ids, v.max_tokens - len(v.out))
         if v.constrained:
-            session.applier.commit(rid, len(v.out), row_digests[rid][: len(acc)])
+            roles.commit(rid, len(v.out), row_digests[rid][: len(acc)])
         terminated = False
         try:
             if v.constrained:
-                terminated = session.advance(rid, acc)
+                terminated = roles.advance(rid, acc)
         except GrammarError as exc:
             self._drop(rid)
             return TokenResult(
@@ -384,7 +314,7 @@ class LastStage:
         next_drafts: tuple[int, ...] = ()
         if reason is None and v.constrained:
             length = len(v.out)
-            jr = session.jump_forward(rid, v.out)
+            jr = roles.jump_forward(rid, v.out)
             if jr is not None:
                 if len(v.out) >= v.max_tokens:
                     del v.out[v.max_tokens :]
@@ -395,13 +325,13 @@ class LastStage:
             if room > 0:
                 proposal = v.drafter.propose(v.out, room)[:room]
                 if v.constrained:
-                    proposal = session.validate_drafts(rid, proposal)
+                    proposal = roles.validate_drafts(rid, proposal)
                 next_drafts = tuple(proposal)
         rollback, tokens = retokenize_plan(before, v.out)
         if rollback:
             # Retokenization replaced committed positions: their rows will be
             # masked again from the new tokens (workers do the same).
-            session.applier.digests.truncate(rid, len(before) - rollback)
+            roles.truncate(rid, len(before) - rollback)
         if reason is not None:
             self._drop(rid)
         return TokenResult(rid, rollback, tuple(tokens), next_drafts, reason, jumped=jumped)

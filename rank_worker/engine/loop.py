@@ -3,7 +3,7 @@
 The roles (DESIGN section 1, "One step"):
 
 - **origin**, the stage-0 leader of a replica: submits arrivals, runs the
-  agreement (``session.step``), plans the batch and sends it on, then takes
+  agreement (``session.leader.step``), plans the batch and sends it on, then takes
   the last stage's results (``Origin``);
 - **later stage leaders**: add stage 0's arrivals with stage 0's sequence
   numbers, follow the decision, forward the batch, and on the last stage
@@ -124,7 +124,7 @@ def run_loop(
         origin = Origin(
             mine,
             tokenizer,
-            session.submit,
+            session.leader.submit,
             max_num_seqs=session.config.scheduler.max_num_seqs,
             per_step=per_step,
         )
@@ -159,16 +159,16 @@ def run_loop(
     finally:
         if last is not None:
             last.close()
-    applier = session.applier
+    digests = last.rows.digests if last is not None else None
     return RankReport(
         rank=rank,
         coords=(c.dp, c.pp, c.tp),
         steps=step + 1,
         wall_s=round(time.perf_counter() - t_start, 3),
         outputs=list(origin.outputs.values()) if origin is not None else [],
-        digests=applier.digests.records() if applier is not None else [],
-        self_mismatches=len(applier.digests.self_mismatches) if applier is not None else 0,
-        self_mismatch_rows=list(applier.digests.self_mismatches[:10]) if applier else [],
+        digests=digests.records() if digests is not None else [],
+        self_mismatches=len(digests.self_mismatches) if digests is not None else 0,
+        self_mismatch_rows=list(digests.self_mismatches[:10]) if digests is not None else [],
         stats=session.stats,
         timings=timings.export(),
         bytes_sent=link.bytes_sent if link is not None else 0,
@@ -187,7 +187,7 @@ def _origin_step(session, origin, last, step, route, timings) -> BatchFrame:
     # settles says all of them were idle (an idle origin stays idle).
     votes = layout.dp > 1 and layout.requests == "partitioned"
     t0 = time.perf_counter()
-    decided = session.step(step, busy=not origin.idle if votes else None)
+    decided = session.leader.step(step, busy=not origin.idle if votes else None)
     timings.add("agreement", (time.perf_counter() - t0) * 1e3)
     origin.decided(decided.admitted, decided.failed)
     done = decided.all_idle is True if votes else origin.idle
@@ -209,7 +209,7 @@ def _origin_step(session, origin, last, step, route, timings) -> BatchFrame:
     if last is None:  # the last stage's leader forgot them already (same session if pp == 1)
         for res in results.results:
             if res.finish_reason is not None:
-                session.finish(res.request_id)
+                session.leader.finish(res.request_id)
     return frame
 
 
@@ -219,10 +219,11 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
     if route.next_leader is not None:
         link.send(route.next_leader, raw, operation="arrivals", step=step)
     arrivals = frames.decode(raw, Arrivals)
+    stage = session.leader
     for sub in arrivals.requests:
-        session.submit(sub.request_id, json.loads(sub.spec_json), seq=sub.seq)
+        stage.submit(sub.request_id, json.loads(sub.spec_json), seq=sub.seq)
     t0 = time.perf_counter()
-    decided = session.step(step)
+    decided = stage.step(step)
     timings.add("agreement", (time.perf_counter() - t0) * 1e3)
     failures = tuple(
         StageFailure(o.request_id, o.code or "failed", o.message) for o in decided.stage_failed
@@ -231,7 +232,7 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
         link.recv(route.frame_src, operation="batch frame", step=step), BatchFrame
     )
     for rid in frame.finished:
-        session.finish(rid)
+        stage.finish(rid)
     if route.next_leader is not None:
         forward = msgspec.structs.replace(frame, failed_upstream=frame.failed_upstream + failures)
         for dst in route.frame_dsts:

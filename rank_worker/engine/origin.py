@@ -37,7 +37,7 @@ from gramcoord.rank_worker.engine.requests import (
     OutputRecord,
     failed_record,
 )
-from gramcoord.rank_worker.grammars.manager import Outcome
+from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import msgspec
 import xgrammar as xgr
 
 from gramcoord.coordinator.coordinator import wall_clock_ms
@@ -46,47 +45,33 @@ from gramcoord.rank_worker.grammars.compile_service import (
     CompileService,
     XGrammarBackend,
 )
+from gramcoord.rank_worker.grammars.outcome import CacheStatus, ManagerStats, Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
-CacheStatus = Literal["miss", "hit", "joined", "poisoned", "none"]
+# The follower wait is capped at this share of the step timeout (see
+# ``stage_wait_s``).
+STAGE_WAIT_SHARE = 0.5
+
 _POISON_KIND = {
     int(ErrorCode.grammar_invalid): PoisonKind.INVALID,
     int(ErrorCode.grammar_timeout): PoisonKind.TIMEOUT,
 }
 
 
-class Outcome(msgspec.Struct, kw_only=True):
-    """What happened to one request: admitted, failed, or still waiting."""
+def stage_wait_s(compile_timeout_s: float, step_timeout_s: float) -> float:
+    """How long a rank that follows a decision waits for its own compiles, per step.
 
-    request_id: str
-    seq: int
-    status: Literal["admitted", "failed", "pending", "waiting"]
-    cache: CacheStatus = "none"
-    code: str | None = None
-    message: str = ""
-    warnings: tuple[str, ...] = ()
-    compile_ms: float = 0.0
-
-
-class ManagerStats(msgspec.Struct, kw_only=True):
-    """Counters of one manager; ``summary.json`` reads them."""
-
-    # Admissions by cache path: compiled here, cache hit, joined an
-    # in-flight compile of the same key, or failed on a poisoned key.
-    miss: int = 0
-    hit: int = 0
-    joined: int = 0
-    poisoned: int = 0
-    # Specs rejected by validation (never keyed or compiled).
-    invalid_spec: int = 0
-    admitted: int = 0
-    failed: int = 0
-    # Decisions naming a seq this rank does not hold (aborted meanwhile).
-    unknown_seq: int = 0
+    A later pipeline stage and a ``fill`` TP follower both wait up to the
+    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout. A
+    gloo send completes only once its receiver has posted the receive, so a
+    follower that waits holds the decider back by as long: the decider must
+    never take a waiting follower for a lost one.
+    """
+    return min(compile_timeout_s, step_timeout_s * STAGE_WAIT_SHARE)
 
 
 def _valid_id(request_id: Any) -> bool:
@@ -158,6 +143,18 @@ class GrammarManager:
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
         self.stats = ManagerStats()
+        # Set by follow(): this manager applies decisions made elsewhere.
+        self.follow_wait_s: float | None = None
+
+    def follow(self, wait_s: float) -> None:
+        """Apply decisions made elsewhere from now on (later stages, ``fill`` followers).
+
+        ``apply_decision`` then waits up to ``wait_s`` per decision for local
+        compiles of the requests it admits (one deadline; past it a request
+        fails with ``grammar_stage_timeout``), and the failures it records
+        are not queued for sharing: the rank that decided shares them.
+        """
+        self.follow_wait_s = wait_s
 
     # -- admission --------------------------------------------------------
 
@@ -177,9 +174,16 @@ class GrammarManager:
         """
         if seq is None:
             seq = self._next_seq
-        if seq < self._next_seq:
-            raise ValueError(
-                f"sequence numbers must increase: got {seq} after {self._next_seq - 1}"
+        if not isinstance(seq, int) or seq < self._next_seq:
+            return Outcome(
+                request_id=request_id if _valid_id(request_id) else str(request_id)[:64],
+                seq=seq if isinstance(seq, int) else -1,
+                status="failed",
+                code=ErrorCode.bad_request_id.name,
+                message=(
+                    f"bad sequence number: got {seq!r} after {self._next_seq - 1}; "
+                    "sequence numbers must increase"
+                ),
             )
         self._next_seq = seq + 1
         if not _valid_id(request_id):
@@ -292,19 +296,19 @@ class GrammarManager:
         self._new_failures.clear()
         return out
 
-    def apply_decision(self, decision: Decision, *, wait_s: float = 0.0) -> list[Outcome]:
+    def apply_decision(self, decision: Decision) -> list[Outcome]:
         """Admit and fail requests exactly as decided, in sequence order.
+
+        The ``coordinator.Member`` call. After ``follow(wait_s)``, admitted
+        requests whose local compile has not finished are waited for, all
+        against one deadline ``wait_s`` away.
 
         Parameters
         ----------
         decision:
             The agreed decision (identical on every rank of the group).
-        wait_s:
-            For later pipeline stages: how long to wait, in total, for local
-            compiles of admitted requests that have not finished yet. One
-            deadline covers the whole decision; past it a request fails
-            with ``grammar_stage_timeout``.
         """
+        wait_s = self.follow_wait_s or 0.0
         deadline = time.monotonic() + wait_s
         # Followers never call local_status, so deadlines and stuck-worker
         # replacement must also advance here.
@@ -326,6 +330,17 @@ class GrammarManager:
             else:
                 outcomes.append(self._admit(entry, max(0.0, deadline - time.monotonic())))
         self._fill_window()
+        if self.follow_wait_s is not None:
+            self._new_failures.clear()  # the decider shares these keys
+            late = [o.request_id for o in outcomes if o.code == "grammar_stage_timeout"]
+            if late:
+                logger.warning(
+                    "decision %d: %d admitted requests not compiled here within %.1fs: %s",
+                    decision.step,
+                    len(late),
+                    wait_s,
+                    late,
+                )
         return outcomes
 
     def _admit(self, entry: _Entry, wait_s: float) -> Outcome:

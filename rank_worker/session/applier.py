@@ -8,6 +8,7 @@ through this class, so every rank aligns, applies and digests identically.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,3 +92,48 @@ class MaskApplier:
         """
         for i, d in enumerate(digests):
             self.digests.record(request_id, position + i, d)
+
+
+class AppliesRows:
+    """The row calls of every role that masks logits (last-stage ranks).
+
+    The roles hold a ``MaskApplier`` as ``_applier`` and the session's
+    counters as ``_stats``; through these calls every last-stage rank aligns,
+    applies, digests and forgets rows alike.
+    """
+
+    _applier: MaskApplier
+    _stats: Any
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        *,
+        batch: Sequence[str],
+        constrained: Sequence[str],
+        num_drafts: Mapping[str, int],
+    ) -> tuple[int, dict[str, tuple[int, ...]]]:
+        """Mask ``logits`` in place with ``rows``; see ``MaskApplier.apply``."""
+        out = self._applier.apply(
+            logits, rows, batch=batch, constrained=constrained, num_drafts=num_drafts
+        )
+        self._stats.rows_applied += sum(1 + num_drafts.get(r, 0) for r in constrained)
+        return out
+
+    def commit(self, request_id: str, position: int, digests: Sequence[int]) -> None:
+        """Record the digests of the rows whose drafts were accepted (``MaskApplier.commit``)."""
+        self._applier.commit(request_id, position, digests)
+
+    def truncate(self, request_id: str, length: int) -> None:
+        """Forget the digests of ``request_id`` from output position ``length`` on.
+
+        After retokenization replaced output tokens: those positions are
+        masked again from the new tokens, on every rank alike.
+        """
+        self._applier.digests.truncate(request_id, length)
+
+    @property
+    def digests(self) -> MaskDigests:
+        """Every row digest this rank committed (read it after the run)."""
+        return self._applier.digests

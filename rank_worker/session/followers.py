@@ -23,12 +23,17 @@ as their leader, like every other call of the scheduler.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable, Collection
+from typing import Any, Literal
 
 import msgspec
 
+from gramcoord.coordinator.errors import CoordinatorError
+from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.status import Decision, PoisonRecord
-from gramcoord.rank_worker.grammars.manager import Outcome
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.session.types import StepOutcome
 
 
 class DecidedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -120,3 +125,123 @@ class FollowerBook:
         if seq is not None:
             self._pending.pop(seq, None)
         return seq is not None
+
+
+class TpFollower:
+    """A TP worker with a scheduler of its own: ``submit``, ``step``, ``finish``, ``abort``.
+
+    ``session.follower``; the calls mirror the leader's ``StageLeader`` and
+    come in the same order. ``step`` receives the leader's note instead of
+    agreeing.
+
+    Parameters
+    ----------
+    link, leader:
+        The byte link and the leader's rank the notes come from.
+    book:
+        ``read`` mode: the requests, by sequence number (no compiles here).
+    manager:
+        ``fill`` mode: this worker's grammar manager (it follows the
+        leader's decisions; see ``GrammarManager.follow``).
+    on_admitted, on_end:
+        The last stage's ``StageMasks.start`` / ``forget`` (``fill``).
+    """
+
+    def __init__(
+        self,
+        link: ByteLink,
+        leader: int,
+        *,
+        rank: int,
+        book: FollowerBook | None = None,
+        manager: GrammarManager | None = None,
+        on_admitted: Callable[[list[Outcome]], None] | None = None,
+        on_end: Callable[[str], None] | None = None,
+    ) -> None:
+        if (book is None) == (manager is None):
+            raise ValueError("a TP follower reads (a book) or fills (a manager), not both")
+        self._link = link
+        self._leader = leader
+        self.rank = rank
+        self._book = book
+        self._manager = manager
+        self._on_admitted = on_admitted
+        self._on_end = on_end
+
+    @property
+    def running(self) -> Collection[str]:
+        """The requests the leader admitted that have not ended (``read`` mode)."""
+        return self._book.running if self._book is not None else ()
+
+    def submit(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+        """Take the same request as the leader, in the same order; never raises for bad input."""
+        if self._book is not None:
+            return self._book.add(request_id, seq)
+        return self._manager.add(request_id, spec, seq=seq)
+
+    def step(self, step: int) -> StepOutcome:
+        """Receive the leader's note for ``step`` and apply it.
+
+        Returns
+        -------
+        StepOutcome
+            What the leader decided for this worker's requests;
+            ``stage_failed`` (``fill``) lists those the leader admitted that
+            this worker could not compile in time: the host must end them
+            everywhere.
+
+        Raises
+        ------
+        CoordinatorError
+            The note is for another step (the schedulers diverged).
+        PeerLostError
+            The leader died or hung.
+        """
+        data = self._link.recv(self._leader, operation="follower note", step=step)
+        note = decode_note(data)
+        if note.step != step:
+            raise CoordinatorError(
+                f"[rank {self.rank}] follower at step {step} got the leader's step {note.step}"
+            )
+        if self._book is not None:
+            admitted, failed = self._book.resolve(note)
+            return StepOutcome(admitted, failed, [])
+        manager = self._manager
+        if note.poison:
+            manager.apply_poison(note.poison)
+        outcomes = manager.apply_decision(note.decision) if note.decision is not None else []
+        leader = {d.seq: d for d in note.decided}
+        admitted = [o for o in outcomes if o.status == "admitted"]
+        failed = [o for o in outcomes if o.status == "failed"]
+        stage_failed = [o for o in failed if o.seq in leader and leader[o.seq].status == "admitted"]
+        if admitted and self._on_admitted is not None:
+            self._on_admitted(admitted)
+        return StepOutcome(admitted, failed, stage_failed)
+
+    def request_state(self, request_id: str) -> str:
+        """``waiting`` | ``pending`` | ``running`` | ``unknown``, as on the leader."""
+        if self._book is not None:
+            return self._book.state_of(request_id)
+        return self._manager.state_of(request_id)
+
+    def finish(self, request_id: str) -> None:
+        """Forget a finished request (the same step as the leader)."""
+        if self._on_end is not None:
+            self._on_end(request_id)
+        if self._book is not None:
+            self._book.forget(request_id)
+        else:
+            self._manager.finish(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; whether it was live."""
+        if self._on_end is not None:
+            self._on_end(request_id)
+        if self._book is not None:
+            return self._book.forget(request_id)
+        return self._manager.abort(request_id)
+
+    def close(self) -> None:
+        """Stop the compile pool (``fill``)."""
+        if self._manager is not None:
+            self._manager.close()

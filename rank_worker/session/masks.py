@@ -1,44 +1,87 @@
-"""The mask half of a ``RankSession``: what the last stage's ranks call each step.
+"""The last stage's mask role: build rows, publish them, advance the grammars.
 
-``RankSession`` inherits these; they use its attributes (``builder``,
-``applier``, ``channel``, ``jump``, the per-request grammar states and the
-set of requests masked but not yet advanced). See ``session.py`` for the
-step order.
+The last pipeline stage's leader holds one ``StageMasks`` (``session.masks``),
+and so does a ``fill`` TP follower there. It keeps one ``GrammarState`` per
+running request (started when a ``step`` admits it, dropped when the
+request ends) and the set of requests masked but not yet advanced. Calls,
+in step order: ``bitmask`` then ``publish`` while the logits are computed;
+``apply`` (with ``commit``); ``advance``, ``validate_drafts``, ``rollback``
+and ``jump_forward`` after sampling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-import numpy as np
-import torch
+import xgrammar as xgr
 
-from gramcoord.rank_worker.masks.bitmask import trim_drafts
+from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
+from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
-from gramcoord.rank_worker.masks.jump_forward import JumpResult
-from gramcoord.rank_worker.session.types import MaskBatch, StaleGrammarState
+from gramcoord.rank_worker.masks.jump_forward import JumpForward, JumpResult
+from gramcoord.rank_worker.session.applier import AppliesRows, MaskApplier
+from gramcoord.rank_worker.session.types import MaskBatch, SessionStats, StaleGrammarState
+from gramcoord.sync.channel import BitmaskChannel
 
 
-class SessionMasks:
-    """Bitmask rows, apply, and the grammar-state calls after sampling."""
+class StageMasks(AppliesRows):
+    """Bitmask rows, apply, and the grammar-state calls after sampling.
 
-    rank: int
-    tokenizer: Any
-    book: Any
-    reader: Any
-    builder: Any
-    applier: Any
-    channel: Any
-    jump: Any
-    _states: dict[str, GrammarState]
-    _awaiting: set[str]
-    _stats: Any
+    Parameters
+    ----------
+    builder:
+        Fills the rows. A benchmark may swap ``builder`` for a candidate
+        fill strategy; nothing else is meant to be replaced.
+    applier:
+        Aligns, applies and digests rows (``AppliesRows``).
+    matcher:
+        ``request_id -> GrammarMatcher`` of an admitted request (the
+        manager's).
+    channel:
+        The bitmask channel to this stage's TP workers, or ``None``.
+    jump:
+        Jump-forward, or ``None`` when it is off.
+    """
 
-    def _need(self, what: str, obj: Any) -> Any:
-        if obj is None:
-            raise RuntimeError(f"[rank {self.rank}] {what} is not available on this rank's role")
-        return obj
+    def __init__(
+        self,
+        builder: BitmaskBuilder,
+        applier: MaskApplier,
+        matcher: Callable[[str], xgr.GrammarMatcher],
+        *,
+        vocab_size: int,
+        gate: Gate,
+        stats: SessionStats,
+        channel: BitmaskChannel | None = None,
+        jump: JumpForward | None = None,
+        rank: int = 0,
+    ) -> None:
+        self.builder = builder
+        self._applier = applier
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._gate = gate
+        self._stats = stats
+        self._channel = channel
+        self._jump = jump
+        self.rank = rank
+        self._states: dict[str, GrammarState] = {}
+        self._awaiting: set[str] = set()
+
+    # -- request lifecycle (called by the stage leader's role) -------------------
+
+    def start(self, admitted: list[Outcome]) -> None:
+        """Start the grammar state of each request a step admitted."""
+        for o in admitted:
+            self._states[o.request_id] = GrammarState.from_matcher(
+                self._matcher(o.request_id), vocab_size=self._vocab_size, gate=self._gate
+            )
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or aborted request's state (unknown ids are ignored)."""
+        self._states.pop(request_id, None)
+        self._awaiting.discard(request_id)
 
     def is_running(self, request_id: str) -> bool:
         """Whether ``request_id`` was admitted here and has a grammar state.
@@ -97,10 +140,8 @@ class SessionMasks:
         (builds step n+1 before step n's rows are applied) passes
         ``copy=True`` to own its rows.
 
-        On a ``read`` TP follower (``parallel.tp_followers: read``) the rows
-        are the ones the leader published for ``step`` (required there),
-        read in place from shared memory: ``release(step)`` after applying
-        them.
+        ``step`` is accepted for the same call as a ``read`` follower's
+        (``FollowerRows.bitmask``), and unused here.
 
         Raises
         ------
@@ -108,9 +149,7 @@ class SessionMasks:
             A request's previous rows were built but its sampled tokens were
             never passed to ``advance``.
         """
-        if self.book is not None:
-            return self._read_rows(request_ids, drafts, step, copy)
-        builder = self._need("bitmask", self.builder)
+        builder = self.builder
         stale = [r for r in request_ids if r in self._awaiting]
         if stale:
             raise StaleGrammarState(
@@ -119,10 +158,10 @@ class SessionMasks:
             )
         states = [self.state(r) for r in request_ids]
         slot = None
-        if self.channel is not None and not copy:
+        if self._channel is not None and not copy:
             # Fill the next ring slot in place: publish() then announces the
             # rows without copying them (the copy is most of a publish).
-            slot = self.channel.acquire(len(request_ids) * builder.rows_per_request)
+            slot = self._channel.acquire(len(request_ids) * builder.rows_per_request)
         built = builder.build(states, drafts, out=slot)
         self._awaiting.update(request_ids)
         self._stats.masks_built += 1
@@ -132,27 +171,8 @@ class SessionMasks:
         rows = built.bitmask.copy() if copy else built.bitmask
         return MaskBatch(rows, ids, num_drafts, failures)
 
-    def _read_rows(self, request_ids, drafts, step, copy) -> MaskBatch:
-        if step is None:
-            raise ValueError(f"[rank {self.rank}] a read follower needs the step to read")
-        got = self._need("bitmask", self.reader).receive(step)
-        ids = tuple(request_ids)
-        num_drafts = tuple(len(d) for d in drafts) if drafts is not None else (0,) * len(ids)
-        if got.request_ids != ids or got.num_drafts != num_drafts:
-            self.reader.release(step)
-            raise StaleGrammarState(
-                f"[rank {self.rank}] step {step}: the leader published rows for "
-                f"{list(got.request_ids)[:4]} (drafts {list(got.num_drafts)[:4]}), this "
-                f"scheduler asked for {list(ids)[:4]} (drafts {list(num_drafts)[:4]}): "
-                "the schedulers diverged"
-            )
-        self._stats.masks_built += 1
-        return MaskBatch(got.rows.copy() if copy else got.rows, ids, num_drafts, {})
-
     def release(self, step: int) -> None:
-        """Give step ``step``'s rows back to the leader (``read`` followers only)."""
-        if self.book is not None:
-            self._need("release", self.reader).release(step)
+        """A no-op: the rows are this rank's own (``read`` followers give theirs back)."""
 
     def publish(self, step: int, batch: MaskBatch) -> None:
         """Send ``batch`` to this stage's TP workers (no-op without workers).
@@ -169,25 +189,8 @@ class SessionMasks:
         TransportTimeout, PeerGone
             A worker did not release a slot in time, or died.
         """
-        if self.channel is not None:
-            self.channel.publish(step, batch.rows, batch.request_ids, batch.num_drafts)
-
-    def apply(
-        self,
-        logits: torch.Tensor,
-        rows: np.ndarray,
-        *,
-        batch: Sequence[str],
-        constrained: Sequence[str],
-        num_drafts: Mapping[str, int],
-    ) -> tuple[int, dict[str, tuple[int, ...]]]:
-        """Mask ``logits`` in place with ``rows``; see ``MaskApplier.apply``."""
-        applier = self._need("apply", self.applier)
-        out = applier.apply(
-            logits, rows, batch=batch, constrained=constrained, num_drafts=num_drafts
-        )
-        self._stats.rows_applied += sum(1 + num_drafts.get(r, 0) for r in constrained)
-        return out
+        if self._channel is not None:
+            self._channel.publish(step, batch.rows, batch.request_ids, batch.num_drafts)
 
     def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
         """Accept sampled ``tokens`` into the request's grammar.
@@ -209,8 +212,6 @@ class SessionMasks:
         GrammarError
             A token the grammar rejects (the request must fail).
         """
-        if self.book is not None:  # no grammar here: it ends with its stop token
-            return any(t in self.tokenizer.stop_ids for t in tokens)
         state = self.state(request_id)
         self._awaiting.discard(request_id)
         state.accept_tokens(tokens)
@@ -235,6 +236,6 @@ class SessionMasks:
         JumpResult or None
             What was appended (and rolled back), or ``None``.
         """
-        if self.jump is None:
+        if self._jump is None:
             return None
-        return self.jump.jump(self.state(request_id), output)
+        return self._jump.jump(self.state(request_id), output)

@@ -15,7 +15,7 @@ from gramcoord.rank_worker.config import (
     SpeculativeConfig,
 )
 from gramcoord.rank_worker.errors import GrammarError
-from gramcoord.rank_worker.grammars.manager import ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.outcome import ManagerStats, Outcome
 from gramcoord.rank_worker.masks.jump_forward import JumpStats
 from gramcoord.sync.config import TransportConfig
 
@@ -95,3 +95,7 @@ class SessionStats(msgspec.Struct, kw_only=True):
     transport_dropped: int = 0
     # Control frames this writer garbled on purpose (faults.corrupt_frames_every).
     transport_corrupted: int = 0
+
+
+class RoleError(RuntimeError):
+    """A call for a role this rank does not hold (the message names its roles)."""

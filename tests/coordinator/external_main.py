@@ -17,9 +17,9 @@ import torch.distributed as dist
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.coordinator.external import attach_external
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.grammars.admission import Admission
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from tests.conftest import make_tiny_tokenizer
+from tests.coordinator.ranks import coordinator_of
 
 
 def main(out_dir: str) -> None:
@@ -32,7 +32,7 @@ def main(out_dir: str) -> None:
     manager = GrammarManager(grammar, make_tiny_tokenizer())
     with world.runtime as runtime:
         distributed = DistributedConfig(step_timeout_s=20)
-        admission = Admission.build(manager, world.layout, runtime, distributed)
+        coordinator = coordinator_of(manager, world.layout, runtime, distributed)
         specs = [{"regex": "[a-z]+"}, {"json": "{not json"}, {"regex": "[0-9]+"}]
         history, outcomes = [], []
         for step in range(1, 6):
@@ -40,7 +40,7 @@ def main(out_dir: str) -> None:
                 o = manager.add(f"r{step}", specs[step - 1], seq=step)
                 if o.status == "failed":
                     outcomes.append((o.request_id, o.status, o.code))
-            result = admission.coordinator.step(step, admission)
+            result = coordinator.step(step, manager)
             d = result.decision
             history.append((d.step, d.ready, d.failed))
             outcomes += [(o.request_id, o.status, o.code) for o in result.outcome]
@@ -49,7 +49,7 @@ def main(out_dir: str) -> None:
             outcomes=sorted(outcomes),
             layout=[world.layout.dp, world.layout.pp, world.layout.tp],
             compile_mode=world.compile_mode,
-            collectives=admission.coordinator.agreement.collectives,
+            collectives=coordinator.agreement.collectives,
         )
     rank = dist.get_rank()
     Path(out_dir, f"rank{rank}.json").write_bytes(msgspec.json.encode(record))

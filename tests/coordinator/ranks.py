@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 
 from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.coordinator import Coordinator
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.grammars.admission import Admission
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.spec import validate_spec
@@ -35,17 +35,37 @@ class DelayedBackend:
         return self.real(spec)
 
 
-class RecordingAdmission(Admission):
-    """Keeps what this rank reported each step, to check decisions against."""
+class RecordingMember:
+    """The manager as the coordinator's member; keeps what it reported each step."""
 
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
+    def __init__(self, manager: GrammarManager) -> None:
+        self.manager = manager
         self.reported: list[dict[int, int]] = []
 
     def local_status(self):
-        status = super().local_status()
+        status = self.manager.local_status()
         self.reported.append(dict(zip(status.seqs, status.states)))
         return status
+
+    def apply_decision(self, decision):
+        return self.manager.apply_decision(decision)
+
+    def new_failures(self):
+        return self.manager.new_failures()
+
+    def apply_poison(self, records):
+        return self.manager.apply_poison(records)
+
+
+def coordinator_of(manager, layout, runtime, distributed) -> Coordinator:
+    """The coordinator a stage leader builds for ``manager`` (``StageLeader.build``)."""
+    return Coordinator.from_config(
+        layout,
+        runtime,
+        distributed,
+        max_pending=manager.config.max_pending,
+        compile_mode=manager.config.compile_mode,
+    )
 
 
 def _setup(rank, layout, grammar: dict, delays: dict, step_timeout_s: float = 10.0):
@@ -54,9 +74,8 @@ def _setup(rank, layout, grammar: dict, delays: dict, step_timeout_s: float = 10
     manager = GrammarManager(GrammarConfig(**grammar), tokenizer, compile_fn=backend)
     distributed = DistributedConfig(step_timeout_s=step_timeout_s)
     runtime = Runtime.attach(layout, distributed=distributed)
-    base = Admission.build(manager, layout, runtime, distributed)
-    admission = RecordingAdmission(manager, base.coordinator)
-    return manager, backend, runtime, admission
+    coordinator = coordinator_of(manager, layout, runtime, distributed)
+    return manager, backend, runtime, coordinator, RecordingMember(manager)
 
 
 def _key(spec) -> str:
@@ -71,7 +90,9 @@ def agreement_body(rank, world, delays_by_rank):
     """Replicated dp=2: same stream, per-rank compile delays; step until settled."""
     layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
     grammar = dict(max_pending=8, compile_timeout_s=0.8, num_compile_workers=2)
-    manager, _backend, runtime, admission = _setup(rank, layout, grammar, delays_by_rank[rank])
+    manager, _backend, runtime, coordinator, member = _setup(
+        rank, layout, grammar, delays_by_rank[rank]
+    )
     history, outcomes = [], []
     with runtime:
         for i, spec in enumerate(SPECS):
@@ -79,7 +100,7 @@ def agreement_body(rank, world, delays_by_rank):
         step = 0
         while manager.num_pending or manager.num_waiting:
             step += 1
-            result = admission.coordinator.step(step, admission)
+            result = coordinator.step(step, member)
             history.append(_summary(result.decision))
             outcomes += [(o.request_id, o.status, o.code) for o in result.outcome]
             assert step < 2000, "never settled"
@@ -92,7 +113,7 @@ def agreement_body(rank, world, delays_by_rank):
     manager.close()
     return dict(
         history=history,
-        reported=admission.reported,
+        reported=member.reported,
         outcomes=sorted(outcomes),
         poisoned=poisoned,
         timed_out=timed_out,
@@ -111,17 +132,18 @@ def pipeline_body(rank, world, delays_by_rank, steps):
     distributed = DistributedConfig(step_timeout_s=10.0)
     history, outcomes = [], []
     with Runtime.attach(layout, distributed=distributed) as runtime:
-        base = Admission.build(manager, layout, runtime, distributed)
-        admission = Admission(manager, base.coordinator, stage_wait_s=grammar["_wait"])
+        coordinator = coordinator_of(manager, layout, runtime, distributed)
+        if not coordinator.decider:
+            manager.follow(grammar["_wait"])
         for i, spec in enumerate(SPECS):
             manager.add(f"r{i}", spec, seq=i)
         for step in range(1, steps + 1):
-            result = admission.coordinator.step(step, admission)
+            result = coordinator.step(step, manager)
             history.append(_summary(result.decision))
             outcomes += [(o.request_id, o.status, o.code) for o in result.outcome]
             time.sleep(0.02)
     manager.close()
-    return dict(history=history, outcomes=sorted(outcomes), follower=admission.follower)
+    return dict(history=history, outcomes=sorted(outcomes), follower=not coordinator.decider)
 
 
 def poison_body(rank, world, steps, re_add_step):
@@ -130,7 +152,7 @@ def poison_body(rank, world, steps, re_add_step):
     slow = SPECS[2]["regex"]
     delays = {slow: 1.0} if rank == 0 else {slow: 3.0}
     grammar = dict(max_pending=8, compile_timeout_s=0.3, num_compile_workers=2)
-    manager, backend, runtime, admission = _setup(rank, layout, grammar, delays)
+    manager, backend, runtime, coordinator, member = _setup(rank, layout, grammar, delays)
     outcomes, shared_at = [], []
     with runtime:
         manager.add("own-0", SPECS[0], seq=0)
@@ -139,7 +161,7 @@ def poison_body(rank, world, steps, re_add_step):
             if step == re_add_step:
                 again = manager.add("slow-again", SPECS[2], seq=2)
                 outcomes.append((again.request_id, again.status, again.code, again.cache))
-            result = admission.coordinator.step(step, admission)
+            result = coordinator.step(step, member)
             if result.poison:
                 shared_at.append(step)
             outcomes += [(o.request_id, o.status, o.code, o.cache) for o in result.outcome]
@@ -150,5 +172,5 @@ def poison_body(rank, world, steps, re_add_step):
         shared_at=shared_at,
         compiles_of_slow=backend.calls.get(slow, 0),
         agreed_ms=manager.agreed_ms,
-        poison_exchanges=admission.coordinator.poison.exchanges,
+        poison_exchanges=coordinator.poison.exchanges,
     )

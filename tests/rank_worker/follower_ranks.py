@@ -44,18 +44,21 @@ def scheduler_body(rank: int, world: int, mode: str, max_tokens: int = 64) -> di
         scheduler=SchedulerConfig(max_num_seqs=8),
     )
     session = RankSession.attach(tok, config, force_sync=False)
+    # The same calls on both sides: the leader's roles, or the follower's.
+    sched = session.leader if session.is_leader else session.follower
+    masks = session.masks
     model, sampler = SyntheticModel(tok), Sampler(SamplingConfig())
     reqs = {rid: (spec, ref) for rid, spec, ref in requests()}
     log, outputs, mask_ms = [], {}, []
     try:
         for rid, (spec, _) in reqs.items():
-            o = session.submit(rid, spec)
+            o = sched.submit(rid, spec)
             if o.status == "failed":
                 outputs[rid] = ("failed", o.code)
         running: dict[str, list[int]] = {}
         step = 0
         while len(outputs) < len(reqs) and step < 2000:
-            decided = session.step(step)
+            decided = sched.step(step)
             for o in decided.admitted:
                 running[o.request_id] = []
             for o in decided.failed:
@@ -64,25 +67,25 @@ def scheduler_body(rank: int, world: int, mode: str, max_tokens: int = 64) -> di
             log.append((step, [o.request_id for o in decided.admitted], batch))
             if batch:
                 t0 = time.perf_counter()
-                masks = session.bitmask(batch, step=step)
+                built = masks.bitmask(batch, step=step)
                 if session.is_leader:
-                    session.publish(step, masks)
+                    masks.publish(step, built)
                 mask_ms.append((time.perf_counter() - t0) * 1e3)
                 rows = [(ModelRequest(r, reference=reqs[r][1]), running[r]) for r in batch]
                 logits = model.logits(rows)
-                _, row_digests = session.apply(
-                    logits, masks.rows, batch=batch, constrained=batch, num_drafts={}
+                _, row_digests = masks.apply(
+                    logits, built.rows, batch=batch, constrained=batch, num_drafts={}
                 )
                 for r in batch:
-                    session.applier.commit(r, len(running[r]), row_digests[r])
-                session.release(step)
+                    masks.commit(r, len(running[r]), row_digests[r])
+                masks.release(step)
                 picks = sampler.sample(logits, [(r, len(running[r])) for r in batch])
                 for r, t in zip(batch, picks):
                     running[r].append(t)
-                    ended = session.advance(r, [t])
+                    ended = masks.advance(r, [t])
                     if ended or len(running[r]) >= max_tokens:
                         outputs[r] = ("ok", tok.decode(running.pop(r)))
-                        session.finish(r)
+                        sched.finish(r)
             else:
                 time.sleep(0.005)
             step += 1
@@ -91,7 +94,7 @@ def scheduler_body(rank: int, world: int, mode: str, max_tokens: int = 64) -> di
             "log": log,
             "outputs": outputs,
             "digests": sorted(
-                (d.request_id, d.position, d.digest) for d in session.applier.digests.records()
+                (d.request_id, d.position, d.digest) for d in masks.digests.records()
             ),
             "mask_ms": mask_ms,
             "compiles": stats.manager.miss if stats.manager else 0,

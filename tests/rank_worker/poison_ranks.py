@@ -23,22 +23,22 @@ def host_exchange_body(rank: int, world: int) -> dict:
     try:
         steps = 0
         if rank == 1:
-            session.submit("bad-1", BAD)
+            session.leader.submit("bad-1", BAD)
             failed = []
             while not failed:  # no peer takes part in these steps
-                failed = session.step(steps).failed
+                failed = session.leader.step(steps).failed
                 steps += 1
                 time.sleep(0.01)
         else:
             for _ in range(7):  # a different number of steps than rank 1
-                session.step(steps)
+                session.leader.step(steps)
                 steps += 1
-        shared = session.exchange_poison(0)
+        shared = session.leader.exchange_poison(0)
         # The shared keys apply from the next step on, on every rank alike.
-        before = session.submit(f"bad-before-{rank}", BAD)
-        session.step(steps)
+        before = session.leader.submit(f"bad-before-{rank}", BAD)
+        session.leader.step(steps)
         steps += 1
-        again = session.submit(f"bad-again-{rank}", BAD)
+        again = session.leader.submit(f"bad-again-{rank}", BAD)
         return {
             "before": before.status if rank == 0 else None,
             "steps": steps,

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from gramcoord.rank_worker.config import GrammarConfig, SpeculativeConfig
-from gramcoord.rank_worker.grammars.manager import Outcome
+from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
@@ -35,11 +35,10 @@ def settle(session: RankSession, timeout_s: float = 30.0) -> tuple[list[Outcome]
     failed: list[Outcome] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        out = session.step(next(_steps))
+        out = session.leader.step(next(_steps))
         admitted += out.admitted
         failed += out.failed
-        manager = session.manager
-        if not manager.num_pending and not manager.num_waiting:
+        if not session.leader.undecided:
             return admitted, failed
         assert time.monotonic() < deadline, "compiles never settled"
         time.sleep(0.002)
@@ -49,7 +48,7 @@ def admit(session: RankSession, requests: Iterable[tuple[str, object]]) -> list[
     """Submit ``(request_id, spec)`` pairs and step until all are admitted."""
     ids = []
     for rid, spec in requests:
-        outcome = session.submit(rid, spec)
+        outcome = session.leader.submit(rid, spec)
         assert outcome.status == "pending", outcome
         ids.append(rid)
     admitted, failed = settle(session)

@@ -22,8 +22,8 @@ def attach_body(rank: int, world: int, names: tuple[str, ...]) -> dict:
     except VocabularyMismatch as exc:
         return {"mismatch": list(exc.ranks), "message": str(exc)}
     try:
-        outcome = session.submit("r", {"regex": "[a-z]+"})
-        decided = session.step(0)
+        outcome = session.leader.submit("r", {"regex": "[a-z]+"})
+        decided = session.leader.step(0)
         return {"mismatch": None, "seq": outcome.seq, "admitted": len(decided.admitted)}
     finally:
         session.close()

@@ -29,7 +29,7 @@ from gramcoord.rank_worker.engine.models import SyntheticModel
 from gramcoord.rank_worker.engine.origin import Origin
 from gramcoord.rank_worker.engine.requests import EngineRequest, ErrorInfo, OutputRecord
 from gramcoord.rank_worker.engine.sampler import Sampler
-from gramcoord.rank_worker.grammars.manager import ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.outcome import ManagerStats, Outcome
 from gramcoord.rank_worker.session.digest import DigestRecord, MaskDigests
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig, SessionStats
 from tests.rank_worker.session_helpers import session_config

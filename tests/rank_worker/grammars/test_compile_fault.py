@@ -38,21 +38,21 @@ def _session(tokenizer) -> RankSession:
 def test_hung_compile_times_out_is_poisoned_then_readmitted_after_the_ttl(tiny_tokenizer):
     s = _session(tiny_tokenizer)
     try:
-        assert isinstance(s.manager.service._compile, DelayedCompile)
-        assert s.submit("hung", HUNG).status == "pending"
-        assert s.submit("fine", FINE).status == "pending"
+        assert isinstance(s._roles.manager.service._compile, DelayedCompile)
+        assert s.leader.submit("hung", HUNG).status == "pending"
+        assert s.leader.submit("fine", FINE).status == "pending"
         admitted, failed = settle(s, timeout_s=30)
         assert [o.request_id for o in admitted] == ["fine"]
         assert [(o.request_id, o.code) for o in failed] == [("hung", "grammar_timeout")]
         poisoned_at = time.monotonic()
 
-        again = s.submit("hung-again", HUNG)
+        again = s.leader.submit("hung-again", HUNG)
         assert (again.status, again.code, again.cache) == ("failed", "grammar_timeout", "poisoned")
 
         # Past the TTL (judged on the agreed clock, which a step moves on).
         time.sleep(max(0.0, TTL_S + 0.3 - (time.monotonic() - poisoned_at)))
-        s.step(10_000)
-        back = s.submit("hung-later", HUNG)
+        s.leader.step(10_000)
+        back = s.leader.submit("hung-later", HUNG)
         assert (back.status, back.cache) == ("pending", "miss"), back
         admitted, failed = settle(s, timeout_s=30)
         assert [o.request_id for o in admitted] == ["hung-later"] and not failed

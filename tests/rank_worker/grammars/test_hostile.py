@@ -34,14 +34,14 @@ def submit_line(session, entry: make_hostile.CorpusLine) -> tuple[str, object]:
     if entry.encoding == "surrogateescape":
         # The raw bytes a client sent (lone surrogates stand for bad bytes).
         spec = spec.encode("utf-8", "surrogateescape")
-    out = session.submit(entry.id, spec)
+    out = session.leader.submit(entry.id, spec)
     if out.status == "failed":
         return out.code, out
     admitted, failed = settle(session, timeout_s=600)
     (decided,) = [o for o in admitted + failed if o.request_id == entry.id]
     if decided.status == "failed":
         return decided.code, decided
-    session.finish(entry.id)
+    session.leader.finish(entry.id)
     return "admitted", decided
 
 
@@ -85,7 +85,7 @@ def test_every_entry_gets_its_outcome(qwen_tokenizer):
             if warning:
                 assert any(w.startswith(warning) for w in outcome.warnings), entry.id
         # The session still serves ordinary requests after all of that.
-        assert session.submit("after", {"regex": "ab+"}).status == "pending"
+        assert session.leader.submit("after", {"regex": "ab+"}).status == "pending"
         admitted, failed = settle(session)
         assert [o.request_id for o in admitted] == ["after"] and not failed
     finally:

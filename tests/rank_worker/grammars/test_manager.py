@@ -338,11 +338,13 @@ def test_follower_decisions_enforce_deadlines(tiny_tokenizer):
     clock.t += 6
     # A later stage only applies decisions (it never asks local_status):
     # stage 0 failed "slow"; "next" must still get a worker and compile.
-    out = m.apply_decision(Decision(step=1, failed=((0, 21),), clock_ms=1), wait_s=0)
+    m.follow(0)
+    out = m.apply_decision(Decision(step=1, failed=((0, 21),), clock_ms=1))
     assert out[0].code == "grammar_timeout"
     assert backend.started.acquire(timeout=10)  # a spare worker took "next"
     backend.gate.set()
-    [admitted] = m.apply_decision(Decision(step=2, ready=(1,), clock_ms=2), wait_s=10)
+    m.follow(10)
+    [admitted] = m.apply_decision(Decision(step=2, ready=(1,), clock_ms=2))
     assert admitted.status == "admitted"
 
 

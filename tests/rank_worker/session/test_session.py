@@ -13,14 +13,16 @@ import torch
 
 from gramcoord.rank_worker.engine.acceptance import accepted_tokens
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError
-from gramcoord.rank_worker.grammars.manager import ManagerStats
+from gramcoord.rank_worker.grammars.outcome import ManagerStats
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpStats
+from gramcoord.rank_worker.session.applier import MaskApplier
 from gramcoord.rank_worker.session.digest import MaskDigests, combine, row_digest
 from gramcoord.rank_worker.session.reader import MaskReader
 from gramcoord.rank_worker.session.session import (
     MaskBatch,
     RankSession,
+    RoleError,
     SessionStats,
     StaleGrammarState,
 )
@@ -82,79 +84,81 @@ BAD_SPECS = [
 
 @pytest.mark.parametrize(("spec", "code"), BAD_SPECS)
 def test_submit_bad_spec_fails_with_its_code(tiny_session, spec, code):
-    out = tiny_session.submit("r1", spec)
+    out = tiny_session.leader.submit("r1", spec)
     assert (out.request_id, out.status, out.code) == ("r1", "failed", code)
     assert code in ErrorCode.__members__
     assert out.message
     # Nothing was queued: the id is free and no step admits anything.
-    assert tiny_session.manager.num_pending == 0
-    assert tiny_session.submit("r1", {"regex": "a"}).status == "pending"
+    assert tiny_session._roles.manager.num_pending == 0
+    assert tiny_session.leader.submit("r1", {"regex": "a"}).status == "pending"
 
 
 @pytest.mark.parametrize(
     "request_id", ["", 7, None, b"r1", "x" * 5000], ids=["empty", "int", "none", "bytes", "long"]
 )
 def test_submit_bad_request_id(tiny_session, request_id):
-    out = tiny_session.submit(request_id, {"regex": "a"})
+    out = tiny_session.leader.submit(request_id, {"regex": "a"})
     assert out.status == "failed" and out.code == "bad_request_id"
     assert len(out.request_id) <= 64
-    assert tiny_session.manager.num_pending == 0
+    assert tiny_session._roles.manager.num_pending == 0
 
 
 def test_submit_duplicate_id_while_live_then_free_after_finish(tiny_session):
     s = tiny_session
-    assert s.submit("dup", {"regex": "a"}).status == "pending"
-    again = s.submit("dup", {"regex": "b"})
+    assert s.leader.submit("dup", {"regex": "a"}).status == "pending"
+    again = s.leader.submit("dup", {"regex": "b"})
     assert (again.status, again.code) == ("failed", "duplicate_request_id")
     admitted, _ = settle(s)
     assert [o.request_id for o in admitted] == ["dup"]
-    assert s.is_running("dup")
-    assert s.submit("dup", {"regex": "a"}).code == "duplicate_request_id"
-    s.finish("dup")
-    assert not s.is_running("dup")
-    assert s.submit("dup", {"regex": "a"}).status == "pending"
+    assert s.masks.is_running("dup")
+    assert s.leader.submit("dup", {"regex": "a"}).code == "duplicate_request_id"
+    s.leader.finish("dup")
+    assert not s.masks.is_running("dup")
+    assert s.leader.submit("dup", {"regex": "a"}).status == "pending"
 
 
 def test_submit_explicit_seq_must_increase(tiny_session):
     s = tiny_session
-    assert s.submit("a", {"regex": "a"}, seq=5).seq == 5
+    assert s.leader.submit("a", {"regex": "a"}, seq=5).seq == 5
     for seq in (5, 3):
-        out = s.submit("b", {"regex": "a"}, seq=seq)
+        out = s.leader.submit("b", {"regex": "a"}, seq=seq)
         assert (out.status, out.code, out.seq) == ("failed", "bad_request_id", seq)
         assert "increase" in out.message
     # The refused calls consumed nothing: the next implicit seq follows 5.
-    nxt = s.submit("c", {"regex": "a"})
+    nxt = s.leader.submit("c", {"regex": "a"})
     assert (nxt.status, nxt.seq) == ("pending", 6)
     # "b" was never queued, so its id is still free.
-    assert s.submit("b", {"regex": "a"}, seq=9).status == "pending"
+    assert s.leader.submit("b", {"regex": "a"}, seq=9).status == "pending"
     admitted, failed = settle(s)
     assert sorted(o.request_id for o in admitted) == ["a", "b", "c"] and not failed
 
 
 def test_good_spec_is_pending_then_admitted_by_step(tiny_session):
     s = tiny_session
-    out = s.submit("r", {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+    out = s.leader.submit(
+        "r", {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    )
     assert (out.status, out.cache, out.code, out.seq) == ("pending", "miss", None, 0)
-    assert not s.is_running("r")
+    assert not s.masks.is_running("r")
     with pytest.raises(KeyError):
-        s.bitmask(["r"])
+        s.masks.bitmask(["r"])
     admitted, failed = settle(s)
     assert [(o.request_id, o.seq, o.status) for o in admitted] == [("r", 0, "admitted")]
     assert not failed
-    assert s.is_running("r")
+    assert s.masks.is_running("r")
     # A later step with nothing pending decides nothing.
-    again = s.step(10_000)
+    again = s.leader.step(10_000)
     assert again.admitted == [] and again.failed == [] and again.stage_failed == []
 
 
 def test_compile_failure_is_a_failed_step_outcome_then_poisoned(tiny_session):
     s = tiny_session
-    assert s.submit("bad", {"regex": "(a"}).status == "pending"
+    assert s.leader.submit("bad", {"regex": "(a"}).status == "pending"
     admitted, failed = settle(s)
     assert not admitted
     assert [(o.request_id, o.code) for o in failed] == [("bad", "grammar_invalid")]
-    assert not s.is_running("bad")
-    again = s.submit("bad-again", {"regex": "(a"})
+    assert not s.masks.is_running("bad")
+    again = s.leader.submit("bad-again", {"regex": "(a"})
     assert (again.status, again.code, again.cache) == ("failed", "grammar_invalid", "poisoned")
 
 
@@ -164,66 +168,66 @@ def test_compile_failure_is_a_failed_step_outcome_then_poisoned(tiny_session):
 def test_bitmask_twice_without_advance_is_stale(tiny_session):
     s = tiny_session
     admit(s, [("a", {"regex": REGEX}), ("b", {"regex": REGEX})])
-    first = s.bitmask(["a"])
+    first = s.masks.bitmask(["a"])
     assert allowed(first.rows[0], s.tokenizer.vocab_size) == {ord("a")}
     with pytest.raises(StaleGrammarState, match="advance"):
-        s.bitmask(["a"])
+        s.masks.bitmask(["a"])
     # Another request is independent; a batch holding a stale one is refused
     # whole, and the refused call marks nothing.
     with pytest.raises(StaleGrammarState):
-        s.bitmask(["b", "a"])
-    s.bitmask(["b"])
-    assert not s.advance("a", ids("a"))
-    nxt = s.bitmask(["a"])
+        s.masks.bitmask(["b", "a"])
+    s.masks.bitmask(["b"])
+    assert not s.masks.advance("a", ids("a"))
+    nxt = s.masks.bitmask(["a"])
     assert allowed(nxt.rows[0], s.tokenizer.vocab_size) == {ord("b")}
-    s.advance("a", ids("b"))
-    s.advance("b", ids("a"))
-    s.bitmask(["a", "b"])
+    s.masks.advance("a", ids("b"))
+    s.masks.advance("b", ids("a"))
+    s.masks.bitmask(["a", "b"])
 
 
 def test_advance_that_raises_leaves_state_unchanged(tiny_session):
     s = tiny_session
     admit(s, [("a", {"regex": REGEX})])
-    s.bitmask(["a"])
+    s.masks.bitmask(["a"])
     with pytest.raises(GrammarError) as info:
-        s.advance("a", ids("ax"))
+        s.masks.advance("a", ids("ax"))
     assert info.value.code == ErrorCode.token_rejected
-    assert s.state("a").num_tokens == 0
-    assert allowed(s.bitmask(["a"]).rows[0], s.tokenizer.vocab_size) == {ord("a")}
+    assert s.masks.state("a").num_tokens == 0
+    assert allowed(s.masks.bitmask(["a"]).rows[0], s.tokenizer.vocab_size) == {ord("a")}
 
 
 @pytest.mark.parametrize("how", ["finish", "abort"])
 def test_finish_and_abort_clear_the_stale_mark(tiny_session, how):
     s = tiny_session
     admit(s, [("a", {"regex": REGEX})])
-    s.bitmask(["a"])
-    result = getattr(s, how)("a")
+    s.masks.bitmask(["a"])
+    result = getattr(s.leader, how)("a")
     if how == "abort":
         assert result is True
-        assert s.abort("a") is False
-    assert not s.is_running("a")
+        assert s.leader.abort("a") is False
+    assert not s.masks.is_running("a")
     with pytest.raises(KeyError):
-        s.bitmask(["a"])
+        s.masks.bitmask(["a"])
     # The id is free again, and the new request is not stale.
     admit(s, [("a", {"regex": "xyz"})])
-    assert allowed(s.bitmask(["a"]).rows[0], s.tokenizer.vocab_size) == {ord("x")}
+    assert allowed(s.masks.bitmask(["a"]).rows[0], s.tokenizer.vocab_size) == {ord("x")}
 
 
 def test_abort_pending_request(tiny_session):
     s = tiny_session
-    assert s.submit("p", {"regex": "a"}).status == "pending"
-    assert s.abort("p") is True
+    assert s.leader.submit("p", {"regex": "a"}).status == "pending"
+    assert s.leader.abort("p") is True
     admitted, failed = settle(s)
     assert not admitted and not failed
-    assert not s.is_running("p")
-    assert s.submit("p", {"regex": "a"}).status == "pending"
+    assert not s.masks.is_running("p")
+    assert s.leader.submit("p", {"regex": "a"}).status == "pending"
 
 
 def test_publish_without_workers_is_a_noop(tiny_session):
     s = tiny_session
     admit(s, [("a", {"regex": REGEX})])
-    s.publish(0, s.bitmask(["a"]))
-    assert s.channel is None and s.reader is None
+    s.masks.publish(0, s.masks.bitmask(["a"]))
+    assert s._roles.channel is None and not s.has("reader")
 
 
 # -- drafts (K = 3) ---------------------------------------------------------------
@@ -233,7 +237,7 @@ def test_bitmask_with_drafts_rows_and_counts(spec_session):
     s = spec_session
     v = s.tokenizer.vocab_size
     admit(s, [("r1", {"regex": REGEX}), ("r2", {"regex": REGEX}), ("r3", {"regex": REGEX})])
-    batch = s.bitmask(["r1", "r2", "r3"], [ids("abc"), ids("a"), ids("axc")])
+    batch = s.masks.bitmask(["r1", "r2", "r3"], [ids("abc"), ids("a"), ids("axc")])
     assert isinstance(batch, MaskBatch)
     assert batch.rows.shape == (3 * 4, (v + 31) // 32) and batch.rows.dtype == np.int32
     assert batch.request_ids == ("r1", "r2", "r3")
@@ -249,14 +253,14 @@ def test_bitmask_with_drafts_rows_and_counts(spec_session):
     assert rows[8:12] == [{ord("a")}, {ord("b")}, everything, everything]
     # Building moved no state: each accepts its whole text afterwards.
     for rid in ("r1", "r2", "r3"):
-        assert s.state(rid).num_tokens == 0
-        assert s.advance(rid, [*ids("abdef"), s.tokenizer.stop_ids[0]]) is True
+        assert s.masks.state(rid).num_tokens == 0
+        assert s.masks.advance(rid, [*ids("abdef"), s.tokenizer.stop_ids[0]]) is True
 
 
 def test_bitmask_without_drafts_under_k3(spec_session):
     s = spec_session
     admit(s, [("r", {"regex": REGEX})])
-    batch = s.bitmask(["r"])
+    batch = s.masks.bitmask(["r"])
     assert batch.rows.shape[0] == 4 and batch.num_drafts == (0,)
     assert allowed(batch.rows[0], s.tokenizer.vocab_size) == {ord("a")}
     assert (batch.rows[1:] == -1).all()
@@ -265,23 +269,23 @@ def test_bitmask_without_drafts_under_k3(spec_session):
 def test_validate_drafts_trims_the_invalid_suffix(spec_session):
     s = spec_session
     admit(s, [("r", {"regex": REGEX})])
-    assert s.validate_drafts("r", ids("abx")) == ids("ab")
-    assert s.validate_drafts("r", ids("xab")) == []
-    assert s.validate_drafts("r", ids("abd")) == ids("abd")
+    assert s.masks.validate_drafts("r", ids("abx")) == ids("ab")
+    assert s.masks.validate_drafts("r", ids("xab")) == []
+    assert s.masks.validate_drafts("r", ids("abd")) == ids("abd")
     # Padding ends the drafts.
-    assert s.validate_drafts("r", [ord("a"), -1, ord("b")]) == ids("a")
-    assert s.state("r").num_tokens == 0
-    s.advance("r", ids("ab"))
-    assert s.validate_drafts("r", ids("cex")) == ids("ce")
-    assert s.state("r").num_tokens == 2
+    assert s.masks.validate_drafts("r", [ord("a"), -1, ord("b")]) == ids("a")
+    assert s.masks.state("r").num_tokens == 0
+    s.masks.advance("r", ids("ab"))
+    assert s.masks.validate_drafts("r", ids("cex")) == ids("ce")
+    assert s.masks.state("r").num_tokens == 2
 
 
 def test_terminated_request_fails_in_the_batch(spec_session):
     s = spec_session
     admit(s, [("r", {"regex": "a"}), ("ok", {"regex": REGEX})])
     stop = s.tokenizer.stop_ids[0]
-    assert s.advance("r", [ord("a"), stop]) is True
-    batch = s.bitmask(["r", "ok"], [(), ()])
+    assert s.masks.advance("r", [ord("a"), stop]) is True
+    batch = s.masks.bitmask(["r", "ok"], [(), ()])
     assert set(batch.failures) == {"r"}
     assert batch.failures["r"].code == ErrorCode.grammar_terminated
     assert (batch.rows[0:4] == -1).all()
@@ -314,15 +318,15 @@ def _run_k0(session: RankSession, rid: str, tokens: list[int]) -> int:
     v = session.tokenizer.vocab_size
     steps = 0
     for pos, token in enumerate(tokens):
-        batch = session.bitmask([rid])
+        batch = session.masks.bitmask([rid])
         logits = torch.zeros(1, v)
-        step_digest, rows = session.apply(
+        step_digest, rows = session.masks.apply(
             logits, batch.rows, batch=[rid], constrained=[rid], num_drafts={rid: 0}
         )
         assert step_digest == combine(rows[rid]) and len(rows[rid]) == 1
         assert logits[0, token] == 0 and torch.isinf(logits[0]).any()
-        session.applier.commit(rid, pos, rows[rid][:1])
-        terminated = session.advance(rid, [token])
+        session.masks.commit(rid, pos, rows[rid][:1])
+        terminated = session.masks.advance(rid, [token])
         assert terminated == (pos == len(tokens) - 1)
         steps += 1
     return steps
@@ -350,12 +354,12 @@ def _run_k3(session: RankSession, rid: str, tokens: list[int]) -> tuple[int, int
         else:
             drafts = [*right[:2], space]
         if steps % 2:
-            drafts = session.validate_drafts(rid, drafts)
-        batch = session.bitmask([rid], [drafts])
+            drafts = session.masks.validate_drafts(rid, drafts)
+        batch = session.masks.bitmask([rid], [drafts])
         n = 1 + len(drafts)
         assert batch.num_drafts == (len(drafts),)
         logits = torch.zeros(n, v)
-        step_digest, rows = session.apply(
+        step_digest, rows = session.masks.apply(
             logits, batch.rows, batch=[rid], constrained=[rid], num_drafts={rid: len(drafts)}
         )
         assert len(rows[rid]) == n and step_digest == combine(rows[rid])
@@ -365,8 +369,8 @@ def _run_k3(session: RankSession, rid: str, tokens: list[int]) -> tuple[int, int
         for i in range(len(acc)):
             assert logits[i, acc[i]] == 0  # the row that picked it allowed it
         partial += len(acc) < n
-        session.applier.commit(rid, pos, rows[rid][: len(acc)])
-        terminated = session.advance(rid, acc)
+        session.masks.commit(rid, pos, rows[rid][: len(acc)])
+        terminated = session.masks.advance(rid, acc)
         pos += len(acc)
         steps += 1
     assert pos == len(tokens)
@@ -383,15 +387,15 @@ def test_committed_draft_rows_match_the_k0_digests(qwen_tokenizer, compile_json)
         admit(s3, [("req", spec)])
         k0_steps = _run_k0(s0, "req", tokens)
         k3_steps, partial = _run_k3(s3, "req", tokens)
-        d0 = MaskDigests.index(s0.applier.digests.records())
-        d3 = MaskDigests.index(s3.applier.digests.records())
+        d0 = MaskDigests.index(s0.masks.digests.records())
+        d3 = MaskDigests.index(s3.masks.digests.records())
     finally:
         s0.close()
         s3.close()
     assert set(d0) == {("req", p) for p in range(len(tokens))}
     assert d3 == d0
     assert len(set(d0.values())) > 3  # the rows really differ along the output
-    assert not s0.applier.digests.self_mismatches and not s3.applier.digests.self_mismatches
+    assert not s0.masks.digests.self_mismatches and not s3.masks.digests.self_mismatches
     assert k3_steps < k0_steps and partial > 0
     assert s3.stats.rows_applied > s3.stats.masks_built == k3_steps
 
@@ -414,15 +418,15 @@ def test_digest_record_keeps_the_first_and_counts_a_self_mismatch():
 
 def test_stats_is_a_typed_struct_with_manager_counters(tiny_session):
     s = tiny_session
-    assert s.submit("a1", {"regex": "[ab]+"}).cache == "miss"
-    assert s.submit("a2", {"regex": "[ab]+"}).cache == "joined"
+    assert s.leader.submit("a1", {"regex": "[ab]+"}).cache == "miss"
+    assert s.leader.submit("a2", {"regex": "[ab]+"}).cache == "joined"
     settle(s)
-    assert s.submit("a3", {"regex": "[ab]+"}).cache == "hit"
-    s.submit("bad", {"regex": "(b"})
+    assert s.leader.submit("a3", {"regex": "[ab]+"}).cache == "hit"
+    s.leader.submit("bad", {"regex": "(b"})
     settle(s)
-    assert s.submit("bad2", {"regex": "(b"}).cache == "poisoned"
-    s.submit("invalid", {"regex": ""})
-    s.bitmask(["a1", "a2"])
+    assert s.leader.submit("bad2", {"regex": "(b"}).cache == "poisoned"
+    s.leader.submit("invalid", {"regex": ""})
+    s.masks.bitmask(["a1", "a2"])
     stats = s.stats
     assert isinstance(stats, SessionStats)
     assert isinstance(stats.manager, ManagerStats)
@@ -441,7 +445,7 @@ def test_stats_with_jump_forward(tiny_tokenizer):
     try:
         admit(s, [("r", {"regex": "abc(d|e)"})])
         out: list[int] = []
-        result = s.jump_forward("r", out)
+        result = s.masks.jump_forward("r", out)
         assert result is not None and out == ids("abc")
         assert isinstance(s.stats.jump_forward, JumpStats)
     finally:
@@ -467,9 +471,17 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
             run_id=run_id,
             label="dp0",
         )
-        leader.channel = channel  # what _connect_transport does for tp > 1
+        # What build_roles does for tp > 1.
+        leader._roles.channel = leader.masks._channel = channel
         with ThreadPoolExecutor(1) as pool:
-            joining = pool.submit(MaskReader.connect, channel.handle, "rank1", vocab_size=v)
+            joining = pool.submit(
+                MaskReader.connect,
+                channel.handle,
+                "rank1",
+                vocab_size=v,
+                applier=MaskApplier((v + 31) // 32, max_num_seqs=8, num_speculative_tokens=3),
+                stats=SessionStats(),
+            )
             channel.accept(timeout=10)
             reader = joining.result(timeout=10)
         admit(leader, [("r1", {"regex": REGEX}), ("r2", {"regex": "[a-f]+x"})])
@@ -481,9 +493,9 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
         terminated = {}
         for step in range(3):  # 0, 1, then 2 drafts: 1 + 2 + 3 tokens each
             drafts = {r: texts[r][len(out[r]) : len(out[r]) + step] for r in live}
-            drafts = {r: leader.validate_drafts(r, d) for r, d in drafts.items()}
-            batch = leader.bitmask(live, [drafts[r] for r in live])
-            leader.publish(step, batch)
+            drafts = {r: leader.masks.validate_drafts(r, d) for r, d in drafts.items()}
+            batch = leader.masks.bitmask(live, [drafts[r] for r in live])
+            leader.masks.publish(step, batch)
             got = reader.receive(step, timeout=10)
             assert got.request_ids == batch.request_ids
             assert got.num_drafts == batch.num_drafts
@@ -495,10 +507,10 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
             n = sum(1 + d for d in num_drafts.values())
             lead_logits = torch.randn(n, v, generator=gen)
             work_logits = lead_logits.clone()
-            mine = leader.apply(
+            mine = leader.masks.apply(
                 lead_logits, batch.rows, batch=order, constrained=live, num_drafts=num_drafts
             )
-            theirs = worker.apply(
+            theirs = worker.masks.apply(
                 work_logits, got.rows, batch=order, constrained=live, num_drafts=num_drafts
             )
             reader.release(step)
@@ -507,7 +519,7 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
             assert torch.isfinite(lead_logits[:2]).all()  # the free request's rows
             for r in live:  # accept what the drafts got right, plus the bonus
                 acc = texts[r][len(out[r]) : len(out[r]) + len(drafts[r]) + 1]
-                terminated[r] = leader.advance(r, acc)
+                terminated[r] = leader.masks.advance(r, acc)
                 out[r] += acc
         assert out == texts and all(terminated.values())
         assert leader.stats.transport_dropped == 0 and reader.dropped == 0
@@ -517,7 +529,7 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
             reader.close()
         leader.close()  # closes the channel too
         worker.close()
-    assert leader.channel is None
+    assert leader._roles.channel is None
 
 
 def test_request_state_follows_the_lifecycle(tiny_tokenizer):
@@ -530,18 +542,18 @@ def test_request_state_follows_the_lifecycle(tiny_tokenizer):
     )
     session = RankSession.local(tiny_tokenizer, config)
     try:
-        assert session.submit("a", {"regex": "[a-z]+"}).status == "pending"
-        assert session.submit("b", {"regex": "[0-9]+"}).status == "waiting"
-        assert session.request_state("a") == "pending"
-        assert session.request_state("b") == "waiting"
-        assert session.request_state("nope") == "unknown"
-        admitted = session.step(0).admitted
+        assert session.leader.submit("a", {"regex": "[a-z]+"}).status == "pending"
+        assert session.leader.submit("b", {"regex": "[0-9]+"}).status == "waiting"
+        assert session.leader.request_state("a") == "pending"
+        assert session.leader.request_state("b") == "waiting"
+        assert session.leader.request_state("nope") == "unknown"
+        admitted = session.leader.step(0).admitted
         assert [o.request_id for o in admitted] == ["a"]
-        assert session.request_state("a") == "running"
-        assert session.request_state("b") == "pending"
-        session.finish("a")
-        assert session.request_state("a") == "unknown"
-        assert session.abort("b") and session.request_state("b") == "unknown"
+        assert session.leader.request_state("a") == "running"
+        assert session.leader.request_state("b") == "pending"
+        session.leader.finish("a")
+        assert session.leader.request_state("a") == "unknown"
+        assert session.leader.abort("b") and session.leader.request_state("b") == "unknown"
     finally:
         session.close()
 
@@ -554,12 +566,12 @@ def test_bitmask_copy_outlives_the_next_build(tiny_tokenizer):
         tiny_tokenizer, SessionConfig(grammar=GrammarConfig(compile_mode="sync"))
     )
     try:
-        session.submit("a", {"regex": "ab"})
-        session.step(0)
-        kept = session.bitmask(["a"], copy=True)
+        session.leader.submit("a", {"regex": "ab"})
+        session.leader.step(0)
+        kept = session.masks.bitmask(["a"], copy=True)
         first = kept.rows.copy()
-        session.advance("a", [ord("a")])
-        session.bitmask(["a"])  # overwrites the builder's buffer
+        session.masks.advance("a", [ord("a")])
+        session.masks.bitmask(["a"])  # overwrites the builder's buffer
         assert (kept.rows == first).all()
     finally:
         session.close()
@@ -582,10 +594,10 @@ def test_host_vocabulary_from_tokenizer_info(tiny_tokenizer):
         Tokenizer.from_info(tiny_tokenizer.info, "")
     session = RankSession.local(host)
     try:
-        assert session.submit("a", {"regex": "[a-z]+"}).status == "pending"
-        while not session.step(0).admitted:
+        assert session.leader.submit("a", {"regex": "[a-z]+"}).status == "pending"
+        while not session.leader.step(0).admitted:
             pass
-        rows = session.bitmask(["a"]).rows
+        rows = session.masks.bitmask(["a"]).rows
         assert rows.shape == (1, (288 + 31) // 32)
     finally:
         session.close()
@@ -605,3 +617,13 @@ def test_digests_truncate_forgets_replaced_positions():
     ]
     d.record("a", 3, 999)  # re-masked from new tokens: not a self-mismatch
     assert not d.self_mismatches
+
+
+def test_a_role_the_rank_does_not_hold_is_a_named_error(tiny_session):
+    s = tiny_session
+    assert s.has("leader") and s.has("masks")
+    assert not s.has("reader") and not s.has("follower") and not s.has("manager")
+    with pytest.raises(RoleError, match=r"has no 'reader' role; its roles: leader, masks"):
+        s.reader.receive(0)
+    with pytest.raises(RoleError, match=r"\(dp 0, pp 0, tp 0\) has no 'follower' role"):
+        s.follower.step(0)

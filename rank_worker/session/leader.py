@@ -1,0 +1,301 @@
+"""The stage leader's role: admit requests and agree on them once per step.
+
+Every pipeline stage's leader holds one ``StageLeader`` (``session.leader``).
+It owns the rank's ``GrammarManager`` and, in a multi-rank world, the
+``Coordinator`` that drives it; the manager is the coordinator's ``Member``
+itself. What happens in ``step`` depends on the stage:
+
+- a **decider** (stage 0, or every stage with ``pp_sync: collective``)
+  posts the poison exchange, agrees on readiness with its peers, sends the
+  decision down the chain and applies it;
+- a **later stage** (``pp_sync: chain``) applies stage 0's decision as it
+  is, waiting for its own compiles up to ``stage_wait_s`` (the follower
+  wait, one rule in ``grammars.manager``); what is still not compiled then
+  fails on this stage alone and comes back in ``StepOutcome.stage_failed``.
+
+A leader whose TP workers run schedulers of their own (``parallel.
+tp_followers``) sends them a ``FollowerNote`` after every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.coordinator.coordinator import Coordinator
+from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.links import ByteLink
+from gramcoord.coordinator.poison_share import PoisonShare
+from gramcoord.coordinator.runtime import Comm
+from gramcoord.rank_worker.grammars.manager import GrammarManager, stage_wait_s
+from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.session.followers import FollowerNote, decided, encode_note
+from gramcoord.rank_worker.session.types import StepOutcome
+
+logger = logging.getLogger(__name__)
+
+# Called with the requests a step admitted (the last stage starts their
+# grammar states), and with each request that ends.
+Admitted = Callable[[list[Outcome]], None]
+Ended = Callable[[str], None]
+
+
+class StageLeader:
+    """One stage leader: ``submit``, ``step``, ``finish``, ``abort``.
+
+    Build with :meth:`build`. The calls happen in the same order on every
+    leader of a chain (and of a replicated group); none raises for bad
+    input, only for infrastructure failures.
+    """
+
+    def __init__(
+        self,
+        manager: GrammarManager,
+        coordinator: Coordinator | None,
+        *,
+        rank: int = 0,
+        comm: Comm | None = None,
+        on_admitted: Admitted | None = None,
+        on_end: Ended | None = None,
+        notes: tuple[ByteLink, tuple[int, ...]] | None = None,
+    ) -> None:
+        self._manager = manager
+        self._coordinator = coordinator
+        self._comm = comm
+        self.rank = rank
+        self._on_admitted = on_admitted
+        self._on_end = on_end
+        self._notes = notes
+        self._submit_failed: list[Outcome] = []
+
+    @classmethod
+    def build(
+        cls,
+        manager: GrammarManager,
+        layout: ParallelLayout,
+        comm: Comm | None,
+        distributed: DistributedConfig,
+        **roles: Any,
+    ) -> StageLeader:
+        """The leader of ``comm.rank``'s stage (one process when ``comm`` is None).
+
+        ``roles`` go to the constructor (``on_admitted``, ``on_end``,
+        ``notes``).
+        """
+        if comm is None or layout.world_size == 1:
+            return cls(manager, None, **roles)
+        grammar = manager.config
+        coordinator = Coordinator.from_config(
+            layout,
+            comm,
+            distributed,
+            max_pending=grammar.max_pending,
+            compile_mode=grammar.compile_mode,
+        )
+        if not coordinator.decider:
+            wait = stage_wait_s(grammar.compile_timeout_s, distributed.step_timeout_s)
+            if wait < grammar.compile_timeout_s:
+                logger.warning(
+                    "[rank %d] this stage waits at most %.1fs for compiles (half the step "
+                    "timeout), not compile_timeout_s=%.1fs",
+                    comm.rank,
+                    wait,
+                    grammar.compile_timeout_s,
+                )
+            manager.follow(wait)
+        return cls(manager, coordinator, rank=comm.rank, comm=comm, **roles)
+
+    @property
+    def follows(self) -> bool:
+        """Whether this stage applies decisions made on stage 0 (``pp_sync: chain``)."""
+        return self._coordinator is not None and not self._coordinator.decider
+
+    # -- per request ------------------------------------------------------------
+
+    def submit(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+        """Admit one request for compilation; never raises for bad input.
+
+        Parameters
+        ----------
+        request_id:
+            Unique among live requests, 1..1024 characters.
+        spec:
+            The ``structured_outputs`` mapping (vLLM names).
+        seq:
+            Pins the sequence number (later pipeline stages pass stage 0's);
+            it must increase.
+
+        Returns
+        -------
+        Outcome
+            ``failed`` at once (bad spec, poisoned key, bad id or seq, with
+            a code), else ``pending`` or ``waiting`` until a ``step``
+            decides.
+        """
+        outcome = self._manager.add(request_id, spec, seq=seq)
+        if outcome.status == "failed" and self._notes is not None:
+            self._submit_failed.append(outcome)
+        return outcome
+
+    def request_state(self, request_id: str) -> str:
+        """``waiting`` | ``pending`` (compiling or undecided) | ``running`` | ``unknown``.
+
+        A request leaves ``pending`` only through a ``step`` decision,
+        identically on every rank of its group; ``unknown`` covers
+        finished, aborted and failed requests.
+        """
+        return self._manager.state_of(request_id)
+
+    @property
+    def undecided(self) -> int:
+        """Requests submitted and not yet decided (pending or waiting); SGLang's
+        ``has_waiting_grammars`` asks this before its per-step sync."""
+        return self._manager.num_pending + self._manager.num_waiting
+
+    def finish(self, request_id: str) -> None:
+        """Forget a finished request (every stage leader, the same step); unknown ids are ignored."""
+        if self._on_end is not None:
+            self._on_end(request_id)
+        self._manager.finish(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (queued, pending or running); whether it was live."""
+        if self._on_end is not None:
+            self._on_end(request_id)
+        return self._manager.abort(request_id)
+
+    # -- per step ---------------------------------------------------------------
+
+    def step(self, step: int, *, busy: bool | None = None) -> StepOutcome:
+        """The per-step collective: agree on readiness and apply the decision.
+
+        Parameters
+        ----------
+        step:
+            The step number; it must increase, and every member of the
+            agreement group must be at the same step.
+        busy:
+            Stage-0 leaders of partitioned replicas: whether this replica
+            still has work. The vote rides on the posted poison exchange and
+            settles ``distributed.poison_lag_steps`` steps later as
+            ``StepOutcome.all_idle``, the same on every replica.
+
+        Returns
+        -------
+        StepOutcome
+            Requests admitted and failed this step, identically on every
+            rank of the group; ``stage_failed`` lists those that only this
+            pipeline stage could not compile in time.
+
+        Raises
+        ------
+        PeerLostError, DivergenceError
+            Infrastructure failures; they end the run.
+        """
+        coordinator = self._coordinator
+        result = None
+        if coordinator is None:
+            outcomes = self._manager.step(step)
+            ready: frozenset[int] = frozenset()
+        else:
+            result = coordinator.step(step, self._manager, busy=busy)
+            outcomes = result.outcome
+            ready = frozenset(result.decision.ready)
+        admitted = [o for o in outcomes if o.status == "admitted"]
+        failed = [o for o in outcomes if o.status == "failed"]
+        if self._notes is not None:
+            self._send_note(step, outcomes, result)
+        if admitted and self._on_admitted is not None:
+            self._on_admitted(admitted)
+        all_idle = None
+        if result is not None and result.vote is not None:
+            all_idle = not result.vote[1]
+        if busy is not None and self._posted_share() is None:
+            all_idle = self.all_done(step, not busy)  # no posted exchange: vote now
+        return StepOutcome(
+            admitted, failed, [o for o in failed if o.seq in ready], all_idle=all_idle
+        )
+
+    def _send_note(self, step: int, outcomes: list[Outcome], result) -> None:
+        link, ranks = self._notes
+        note = FollowerNote(
+            step=step,
+            decided=decided(self._submit_failed + outcomes),
+            decision=result.decision if result is not None else None,
+            poison=result.poison if result is not None else (),
+        )
+        self._submit_failed = []
+        data = encode_note(note)
+        for r in ranks:
+            link.send(r, data, operation="follower note", step=step)
+
+    # -- across replicas ----------------------------------------------------------
+
+    def exchange_poison(self, sync: int) -> int:
+        """Share newly failed grammar keys with the other replicas now.
+
+        With ``distributed.poison_exchange: host`` the exchange leaves
+        ``step``, so replicas with partitioned streams step at their own
+        rates; the host calls this on every replica's stage-0 leader at one
+        of its own sync points (``sync`` numbers them). With ``step`` (the
+        default) it is not needed. A no-op outside the poison group.
+
+        Returns
+        -------
+        int
+            Keys shared (identical on every replica).
+
+        Raises
+        ------
+        PeerLostError
+            A replica died or hung.
+        """
+        if self._coordinator is None:
+            return 0
+        return len(self._coordinator.exchange_poison(sync, self._manager))
+
+    @property
+    def poison_lag_steps(self) -> int:
+        """Steps between posting a failure to the other replicas and its arrival there.
+
+        ``distributed.poison_lag_steps`` where ``step`` posts a poison
+        exchange (stage leaders of partitioned replicas), else 0.
+        """
+        share = self._posted_share()
+        return share.lag_steps if share is not None else 0
+
+    def _posted_share(self) -> PoisonShare | None:
+        coordinator = self._coordinator
+        if coordinator is None or not coordinator.poison_in_step:
+            return None
+        return coordinator.poison
+
+    def all_done(self, step: int, done: bool) -> bool:
+        """Whether every replica's stage-0 leader is done (one tiny all_gather, now).
+
+        For hosts that end a phase together (``integrations.hf``); a step
+        loop votes through ``step(n, busy=...)`` instead, off the critical
+        path. Call it on every stage-0 leader at the same point; without
+        peers it returns ``done``.
+        """
+        comm = self._comm
+        if comm is None or not comm.members("replicas"):
+            return done
+        row = np.array([0 if done else 1], dtype=np.int64)
+        got = comm.all_gather("replicas", row, operation="done vote", step=step)
+        return not got.any()
+
+    # -- teardown -----------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Settle the posted poison exchange (every replica, at session close)."""
+        if self._coordinator is not None:
+            self._coordinator.settle()
+
+    def close(self) -> None:
+        """Stop the compile pool."""
+        self._manager.close()
