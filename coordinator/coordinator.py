@@ -27,13 +27,13 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from gramcoord.coordinator.agreement import Agreement
+from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import CoordinatorError, LayoutError
 from gramcoord.coordinator.layout import HostLevels, ParallelLayout
 from gramcoord.coordinator.levels import TwoLevel
 from gramcoord.coordinator.pipeline import Chain
 from gramcoord.coordinator.poison_share import PoisonShare
-from gramcoord.coordinator.runtime import Comm
 from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from typing import Literal
 
 import numpy as np
 
+from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.layout import HostLevels
-from gramcoord.coordinator.runtime import Comm
 
 HOST_GROUP = "agreement_host"
 LEADER_GROUP = "agreement_leaders"

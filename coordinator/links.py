@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gramcoord.coordinator.runtime import Comm
+from gramcoord.coordinator.comm import Comm
 
 _WORD = 8
 # Tags of the step loop's messages, apart from the coordinator's chain tags.

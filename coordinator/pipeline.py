@@ -31,9 +31,9 @@ import logging
 
 import numpy as np
 
+from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.errors import DivergenceError
 from gramcoord.coordinator.poison_share import RECORD_WORDS, pack_records, unpack_records
-from gramcoord.coordinator.runtime import Comm
 from gramcoord.coordinator.status import Decision, PoisonRecord
 
 logger = logging.getLogger(__name__)

@@ -17,11 +17,9 @@ import itertools
 import logging
 import os
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import CoordinatorError, PeerLostError
 from gramcoord.coordinator.layout import ParallelLayout
+from gramcoord.coordinator.roll_call import roll_call
 
 logger = logging.getLogger(__name__)
 
@@ -40,43 +39,6 @@ MAX_ROLL_CALL_S = 2.0
 # Bytes per rank in the start-up exchange of host names (Linux allows 64).
 HOSTNAME_BYTES = 256
 _generations = itertools.count()
-
-
-class Comm(Protocol):
-    """What the coordinator needs from a runtime (tests provide fakes)."""
-
-    rank: int
-    # Every rank's host name; only read with agreement_levels "host".
-    hosts: tuple[str, ...]
-
-    def members(self, group: str) -> tuple[int, ...]: ...
-
-    def all_gather(
-        self, group: str, row: np.ndarray, *, operation: str, step: int
-    ) -> np.ndarray: ...
-
-    def all_gather_start(self, group: str, row: np.ndarray, *, operation: str, step: int) -> Any:
-        """``all_gather`` posted; the result has ``wait() -> int64[members, n]``."""
-
-    def all_reduce(
-        self, group: str, row: np.ndarray, op: Literal["band", "max"], *, operation: str, step: int
-    ) -> np.ndarray: ...
-
-    def gather(
-        self, group: str, row: np.ndarray, dst: int, *, operation: str, step: int
-    ) -> np.ndarray | None: ...
-
-    def broadcast(
-        self, group: str, buf: np.ndarray, src: int, *, operation: str, step: int
-    ) -> np.ndarray: ...
-
-    def send(
-        self, group: str, dst: int, payload: np.ndarray, *, tag: int, operation: str, step: int
-    ) -> None: ...
-
-    def recv(
-        self, group: str, src: int, out: np.ndarray, *, tag: int, operation: str, step: int
-    ) -> None: ...
 
 
 _REDUCE_OPS = {"band": dist.ReduceOp.BAND, "max": dist.ReduceOp.MAX}
@@ -417,49 +379,15 @@ class Runtime:
 
     # -- failure -------------------------------------------------------------
 
-    def _roll_call(self, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], str]:
-        """Ask the store who is still alive, within ``_roll_call_s``.
-
-        A store call can block without bound when the store's host is cut
-        off (a network partition): its own timeout does not cover ``check``.
-        So the calls run on a daemon thread, and a roll call that does not
-        finish in time counts as "the store host is unreachable".
-        """
-        if self._store is None:
-            return (), "no store for a roll call"
-        prefix = f"gramcoord/rt{self._generation}/alive/"
-        box: dict[str, object] = {}
-
-        def call() -> None:
-            try:
-                self._store.set(f"{prefix}{self.rank}", "1")
-                missing = {r for r in ranks if r != self.rank}
-                deadline = time.monotonic() + self._roll_call_s
-                while missing and time.monotonic() < deadline:
-                    missing = {r for r in missing if not self._store.check([f"{prefix}{r}"])}
-                    if missing:
-                        time.sleep(0.02)
-                box["missing"] = missing
-            except Exception as exc:
-                box["error"] = exc
-
-        worker = threading.Thread(target=call, name="roll-call", daemon=True)
-        worker.start()
-        worker.join(self._roll_call_s + 0.5)
-        if "missing" in box:
-            missing = box["missing"]
-            return (
-                tuple(sorted(missing)),
-                f"no answer to the roll call within {self._roll_call_s:.1f}s",
-            )
-        what = type(box["error"]).__name__ if "error" in box else "no answer in time"
-        if self.rank != 0:  # the store lives with rank 0 (Runtime.start, and torchrun's agent)
-            return (0,), f"the store host (rank 0) is unreachable ({what})"
-        return (), f"roll call failed ({what}; the store host may be lost)"
-
     def _lost(self, group: str, operation: str, step: int, peer: int | None, exc: BaseException):
         ranks = self.members(group)
-        lost, how = self._roll_call(ranks)
+        lost, how = roll_call(
+            self._store,
+            f"gramcoord/rt{self._generation}/alive/",
+            self.rank,
+            ranks,
+            timeout_s=self._roll_call_s,
+        )
         if not lost and peer is not None:
             lost, how = (peer,), "point-to-point peer"
         logger.error(

@@ -80,14 +80,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
 from gramcoord.integrations.hf.processor import FailedRows, GrammarLogitsProcessor
+from gramcoord.integrations.hf.result import GenerationResult, Record
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.session.session import RankSession
@@ -95,98 +94,9 @@ from gramcoord.rank_worker.session.types import SessionConfig
 
 __all__ = ["FailedRows", "GenerateSession", "GenerationResult", "GrammarLogitsProcessor"]
 
-FinishReason = Literal["grammar_end", "stop", "length", "error", "not_generated"]
-
 # Failure codes that poison a key; a step that decides one is followed by
 # one more step so the failure reaches the peers before ``prepare`` returns.
 _POISONING = frozenset({"grammar_invalid", "grammar_timeout"})
-
-
-class GenerationResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one request came to after ``generate``.
-
-    Attributes
-    ----------
-    request_id:
-        The request.
-    status:
-        ``"ok"``: admitted and every generated token was accepted by the
-        grammar. ``"failed"``: admission failed, or the grammar refused a
-        token (``code`` says which).
-    finish_reason:
-        ``"grammar_end"``: the grammar accepted a stop token (the output is
-        complete); ``"stop"``: the row produced a host stop token the
-        grammar does not end on; ``"length"``: generation stopped first
-        (``max_new_tokens`` or another stopping criterion); ``"error"``:
-        failed; ``"not_generated"``: admitted but no processor row ran it.
-    complete:
-        ``finish_reason == "grammar_end"``.
-    token_ids:
-        Tokens the grammar accepted, the final stop token included.
-    text:
-        ``token_ids`` decoded without stop tokens (invalid UTF-8 replaced).
-    code, message:
-        The error code and message of a failed request (``None`` / ``""``).
-    cache:
-        How admission went: ``miss``, ``hit``, ``joined``, ``poisoned``,
-        ``none``.
-    compile_ms:
-        Compile time of a request that compiled its own grammar.
-    warnings:
-        Warning codes of the spec (e.g. ``unconstrained_ref``).
-    """
-
-    request_id: str
-    status: Literal["ok", "failed"]
-    finish_reason: FinishReason
-    complete: bool
-    token_ids: tuple[int, ...]
-    text: str
-    code: str | None = None
-    message: str = ""
-    cache: str = "none"
-    compile_ms: float = 0.0
-    warnings: tuple[str, ...] = ()
-
-
-@dataclass(eq=False)
-class _Record:
-    """One prepared request: its admission and what generation did with it."""
-
-    outcome: Outcome
-    token_ids: list[int] = field(default_factory=list)
-    reason: FinishReason | None = None
-    error: tuple[str, str] | None = None
-    generated: bool = False
-    processor: GrammarLogitsProcessor | None = None
-
-    def result(self, tokenizer: Tokenizer) -> GenerationResult:
-        """The request's ``GenerationResult``, its text decoded with ``tokenizer``."""
-        o = self.outcome
-        if o.status != "admitted":
-            code = o.code or "not_admitted"
-            message = o.message or f"request was {o.status} when generation ended"
-            status, reason, tokens = "failed", "error", ()
-        elif self.error is not None:
-            (code, message), status, reason = self.error, "failed", "error"
-            tokens = tuple(self.token_ids)
-        else:
-            code, message, status = None, "", "ok"
-            reason = self.reason or ("length" if self.generated else "not_generated")
-            tokens = tuple(self.token_ids)
-        return GenerationResult(
-            request_id=o.request_id,
-            status=status,
-            finish_reason=reason,
-            complete=reason == "grammar_end",
-            token_ids=tokens,
-            text=tokenizer.decode(list(tokens)),
-            code=code,
-            message=message,
-            cache=o.cache,
-            compile_ms=o.compile_ms,
-            warnings=o.warnings,
-        )
 
 
 class GenerateSession:
@@ -232,7 +142,7 @@ class GenerateSession:
         self.session = session
         self.poll_s = poll_s
         self._next_step = first_step
-        self._records: dict[str, _Record] = {}
+        self._records: dict[str, Record] = {}
         self.num_steps = 0
 
     @classmethod
@@ -356,7 +266,7 @@ class GenerateSession:
         for rid, spec in requests:
             o = self.session.leader.submit(rid, spec)
             outcomes[rid] = o
-            self._records[rid] = _Record(o)
+            self._records[rid] = Record(o)
         undecided = {rid for rid, o in outcomes.items() if o.status in ("pending", "waiting")}
         leader = self.session.leader
         # Steps a poisoning failure still needs to reach every peer.

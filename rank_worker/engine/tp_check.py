@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gramcoord.coordinator.runtime import Comm
+from gramcoord.coordinator.comm import Comm
 from gramcoord.rank_worker.errors import DeterminismError
 
 # (request, output position, digest) of one digested row.

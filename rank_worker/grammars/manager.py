@@ -45,10 +45,15 @@ from gramcoord.rank_worker.grammars.compile_service import (
     CompileService,
     XGrammarBackend,
 )
-from gramcoord.rank_worker.grammars.outcome import CacheStatus, ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.outcome import (
+    CacheStatus,
+    ManagerStats,
+    Outcome,
+    refuse_id,
+    refuse_seq,
+)
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
-from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +77,6 @@ def stage_wait_s(compile_timeout_s: float, step_timeout_s: float) -> float:
     never take a waiting follower for a lost one.
     """
     return min(compile_timeout_s, step_timeout_s * STAGE_WAIT_SHARE)
-
-
-def _valid_id(request_id: Any) -> bool:
-    """Text of 1..MAX_REQUEST_ID_CHARS characters that encodes as UTF-8 (no lone surrogates)."""
-    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
-        return False
-    try:
-        request_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass(eq=False)
@@ -174,37 +168,13 @@ class GrammarManager:
         """
         if seq is None:
             seq = self._next_seq
-        if not isinstance(seq, int) or seq < self._next_seq:
-            return Outcome(
-                request_id=request_id if _valid_id(request_id) else str(request_id)[:64],
-                seq=seq if isinstance(seq, int) else -1,
-                status="failed",
-                code=ErrorCode.bad_request_id.name,
-                message=(
-                    f"bad sequence number: got {seq!r} after {self._next_seq - 1}; "
-                    "sequence numbers must increase"
-                ),
-            )
+        refused = refuse_seq(request_id, seq, next_seq=self._next_seq)
+        if refused is not None:
+            return refused
         self._next_seq = seq + 1
-        if not _valid_id(request_id):
-            return Outcome(
-                request_id=str(request_id)[:64],
-                seq=seq,
-                status="failed",
-                code=ErrorCode.bad_request_id.name,
-                message=(
-                    f"request ids must be 1..{MAX_REQUEST_ID_CHARS} characters of text "
-                    "that encodes as UTF-8"
-                ),
-            )
-        if request_id in self._seq_of:
-            return Outcome(
-                request_id=request_id,
-                seq=seq,
-                status="failed",
-                code=ErrorCode.duplicate_request_id.name,
-                message=f"request id {request_id!r} is already live; ids must be unique",
-            )
+        refused = refuse_id(request_id, seq, live=self._seq_of)
+        if refused is not None:
+            return refused
         try:
             gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
         except SpecError as exc:

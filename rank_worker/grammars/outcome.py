@@ -2,14 +2,20 @@
 
 ``Outcome`` is the one record of a request's admission that every layer
 passes around (the session, our step loop, the integrations, ``check``);
-``ManagerStats`` are the manager's counters, read by ``summary.json``.
+``ManagerStats`` are the manager's counters, read by ``summary.json``;
+``refuse_seq`` and ``refuse_id`` are the one check of sequence numbers and
+request ids.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Container
+from typing import Any, Literal
 
 import msgspec
+
+from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 CacheStatus = Literal["miss", "hit", "joined", "poisoned", "none"]
 
@@ -42,3 +48,57 @@ class ManagerStats(msgspec.Struct, kw_only=True):
     failed: int = 0
     # Decisions naming a seq this rank does not hold (aborted meanwhile).
     unknown_seq: int = 0
+
+
+def valid_request_id(request_id: Any) -> bool:
+    """Text of 1..MAX_REQUEST_ID_CHARS characters that encodes as UTF-8 (no lone surrogates)."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+        return False
+    try:
+        request_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def refuse_seq(request_id: Any, seq: Any, *, next_seq: int) -> Outcome | None:
+    """The ``failed`` outcome of a sequence number that is not an int ``>= next_seq``, or None.
+
+    The refused number is not taken: the next request may use it.
+    """
+    if not isinstance(seq, int) or seq < next_seq:
+        return Outcome(
+            request_id=request_id if valid_request_id(request_id) else str(request_id)[:64],
+            seq=seq if isinstance(seq, int) else -1,
+            status="failed",
+            code=ErrorCode.bad_request_id.name,
+            message=(
+                f"bad sequence number: got {seq!r} after {next_seq - 1}; "
+                "sequence numbers must increase"
+            ),
+        )
+    return None
+
+
+def refuse_id(request_id: Any, seq: int, *, live: Container[str]) -> Outcome | None:
+    """The ``failed`` outcome of an id that is not valid text or is ``live``, or None."""
+    if not valid_request_id(request_id):
+        return Outcome(
+            request_id=str(request_id)[:64],
+            seq=seq,
+            status="failed",
+            code=ErrorCode.bad_request_id.name,
+            message=(
+                f"request ids must be 1..{MAX_REQUEST_ID_CHARS} characters of text "
+                "that encodes as UTF-8"
+            ),
+        )
+    if request_id in live:
+        return Outcome(
+            request_id=request_id,
+            seq=seq,
+            status="failed",
+            code=ErrorCode.duplicate_request_id.name,
+            message=f"request id {request_id!r} is already live; ids must be unique",
+        )
+    return None

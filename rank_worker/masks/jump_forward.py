@@ -5,122 +5,24 @@ When the grammar allows exactly one continuation for the next bytes
 start of a fixed object), those bytes need no model step. Two modes
 (``grammar.jump_forward_mode``):
 
-- ``exact`` (default) jumps only the part of the forced text the model could
-  not have decided differently, and never touches earlier tokens. With a
-  model whose choice depends only on the text so far (the synthetic model),
-  outputs are the same text as without jump-forward.
+- ``exact`` (default) jumps only up to the largest *safe* boundary of the
+  forced text ``F``: one that no token allowed at an earlier offset of ``F``
+  spans. Every run without the jump passes through that text, so with a
+  model whose pick depends only on the text so far the output is the same
+  text as without jump-forward. Nothing before the output's end is
+  retokenized; the scan runs on a fork of the matcher, one next-token mask
+  per offset, and stops at the first token that runs past ``F`` or after
+  ``max_scan_bytes``.
 - ``greedy`` jumps all of the forced text and retokenizes the boundary with
-  the output's tail. It saves more steps, but can change outputs.
+  the output's tail (the longest common prefix of the old and new ids is
+  kept; the grammar rolls back over the rest). It saves more steps, but can
+  change outputs. ``hold_back`` leaves the jump's last token to the model
+  when a longer vocabulary token extends it.
 
-Exact mode
-----------
-Let ``X`` be the output text and ``F`` the forced bytes. Without a jump the
-model walks through ``F`` token by token: at byte offset ``i`` of ``F`` it
-picks one of the tokens the grammar allows after ``X + F[:i]``. All of them
-agree with ``F`` (it is forced), so each either ends inside ``F`` (at
-``i + len``) or runs past its end, merging forced and free text (``}],``
-when only ``}`` is forced). A stop token allowed at ``i`` ends the output
-there; it counts as running past the end.
-
-A boundary ``j`` (``0 < j <= len(F)``) is *safe* when no token allowed at any
-``i < j`` spans it (starts before ``j`` and ends after it). Every run without
-the jump then passes through ``X + F[:j]``: its offsets inside ``F`` grow
-strictly, and from an offset below ``j`` no allowed token skips ``j``. The
-jump goes to the largest safe ``j`` on a character boundary (none: no jump).
-It is found by scanning ``i = 0, 1, ...`` on a fork of the matcher, filling
-one next-token mask per offset and testing only the tokens that agree with
-``F[i:]`` (looked up in the vocabulary, cached per forced string); the scan
-stops at the first offset where a token runs past ``F`` (no later boundary
-can be safe) or after ``max_scan_bytes``. Nothing before ``X`` is
-retokenized: ``F[:j]`` is encoded on its own and appended.
-
-*Why the text is identical.* Take a deterministic model whose pick depends
-only on the text so far and the allowed set. The allowed set is itself a
-function of the text, because xgrammar matches bytes, not token boundaries.
-Let ``T0, T1, ..., Tn`` be the texts at which the run without jump-forward
-queries the model (``T0`` empty, ``Tn`` where it picks the stop token).
-Invariant: whenever the jump run queries the model or jumps, its text is
-one of the ``Tk``. It holds at the start. A query at ``Tk`` picks the same
-token as the plain run did there (same text, same allowed set), so it
-reaches ``Tk+1``, or stops with the same output if ``k = n``. A jump at
-``Tk`` (k < n; nothing is forced where a stop token is allowed) moves to
-``Tk + F[:j]``, which the plain run, querying at ``Tk``, goes on to visit by
-the safety of ``j``: it is some ``Tm`` with ``m > k``. So the jump run's
-queries are a strictly increasing subsequence of ``T0..Tn`` that ends at
-``Tn`` with the stop token, and both outputs are the text ``Tn``; the jump
-run takes at most as many model steps. Token ids may differ (``F[:j]`` gets
-the tokenizer's own split, the model may have split it differently), so a
-model conditioned on ids (a real LM) gets no such guarantee; nor does a run
-that ends on ``max_tokens``, since the two runs use different token counts.
-
-Greedy mode
------------
-The forced text is appended as tokens of the *model's* tokenizer,
-retokenized at the boundary:
-
-1. take the last few output tokens (the window, only tokens that fed the
-   grammar, shrunk until their bytes are whole UTF-8 characters);
-2. encode ``window text + forced text``;
-3. keep the longest common prefix of the old window ids and the new ids,
-   roll the grammar back over the rest of the window, and accept the new
-   suffix. With old ``[a, b, c]`` and new ``[a, d]``: roll back 2, accept
-   ``d``.
-
-The grammar ends in the same state as if the new tokens had been sampled
-one by one, because xgrammar matches bytes, not token boundaries.
-
-``hold_back`` leaves the jump's last token to the model when a longer
-vocabulary token extends it, like xgrammar's ``find_jump_forward_tokens``:
-the model may then merge forced and free text (``" "`` + ``"`` as ``' "'``)
-as it would have without the jump. In a 150k vocabulary almost every token
-is extended by some longer one, so it gives up much of the saving.
-
-Greedy outputs can differ from outputs without jump-forward, even for a
-text-keyed model: when the model would have left the forced text through a
-token that also covers free text (``}],`` above, with only ``}`` forced),
-the jump takes that choice away, and after ``}`` the model may pick ``]``
-instead. A model conditioned on token ids also sees the retokenized window
-and the jump's token boundaries.
-
-Measured
---------
-Model steps saved (real: decoding with and without jump-forward) on the 120
-dev instances of ``bench fill`` (synthetic model, K = 0), and how many
-outputs have the same text as without jump-forward, among the runs that
-did not end on ``max_tokens``; ``measure`` in
-``tests/rank_worker/masks/test_jump_identity.py``. The model follows the valid
-instance (``max_tokens`` 1024; 14223 / 11429 steps without jump-forward),
-an invalid one (112 instances; it improvises where the grammar forbids it)
-or none (it improvises throughout); ``max_tokens`` 512 for those two.
-
-=========  ==============  ===================  ===================
-reference  any_whitespace  exact: saved, same   greedy: saved, same
-=========  ==============  ===================  ===================
-valid      false           28.0%, 120/120       39.3%, 120/120
-valid      true            14.5%, 120/120       14.1%, 120/120
-invalid    false           39.4%, 109/109       51.3%, 71/109
-invalid    true            20.7%, 110/110       25.0%, 104/110
-none       false           49.0%, 116/116       57.8%, 63/116
-none       true            24.4%, 117/117       32.7%, 106/117
-=========  ==============  ===================  ===================
-
-Exact mode gives up about 30% of greedy's saving with ``any_whitespace``
-false: after a key the model emits ``":`` and ``' "'`` is forced, but 197
-Qwen2.5 tokens extend ``' "'`` (``' "$'``, ``' "../'``, ``' ""'``...), so
-exact leaves it to the model, which then spends a step on it whenever the
-value's start is not one of those. With ``any_whitespace`` true, greedy's
-boundaries cost the model extra steps later and exact saves as much. A model conditioned on token ids (a
-random-weight tiny Qwen2, 30 instances, ``any_whitespace`` false) kept the
-same output in 8 of 12 finished runs with exact mode and 4 of 12 with
-greedy (18 of 30 runs ran to ``max_tokens`` 256 either way).
-
-Model steps saved are also estimated per jump as the growth of the output
-(``len(suffix) - rolled_back``, at least 0; in exact mode the number of
-tokens appended). It is an estimate in both directions: the model may have
-covered the jumped text in fewer or more tokens than the tokenizer does.
-
-Forced bytes that stop inside a multi-byte UTF-8 character are not jumped
-(xgrammar's string stops before that character); they are sampled.
+Forced bytes that stop inside a multi-byte UTF-8 character are not jumped.
+The proof that exact mode keeps the text, why greedy may not, and the
+measured savings per mode are in ``docs/jump-forward.md``; the identity is
+tested in ``tests/rank_worker/masks/test_jump_identity.py``.
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.coordinator import Coordinator
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.poison_share import PoisonShare
-from gramcoord.coordinator.runtime import Comm
 from gramcoord.rank_worker.grammars.manager import GrammarManager, stage_wait_s
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.session.followers import FollowerNote, decided, encode_note
