@@ -264,6 +264,15 @@ class LastStage:
             self._tp_check.add(step, picks, step_digest, self._row_positions(runnable, row_digests))
         return picks, row_digests
 
+    def _row_positions(self, runnable, row_digests) -> list[tuple[str, int, int]]:
+        """(request, position, digest) of every digested row of this step (the TP check)."""
+        rows = []
+        for s in runnable:
+            base = len(self.views[s.request_id].out)
+            for i, d in enumerate(row_digests.get(s.request_id, ())):
+                rows.append((s.request_id, base + i, d))
+        return rows
+
     # -- acceptance (leader) ------------------------------------------------------
 
     def _drop(self, rid: str) -> None:
