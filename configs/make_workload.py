@@ -142,7 +142,9 @@ class Checker:
     """Validate and compile specs the way a rank does, with the real vocabulary."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.config = GrammarConfig()
+        # Refuses what xgrammar would not enforce, so the bad-spec picks
+        # carry a code (the default admits them, end-checked).
+        self.config = GrammarConfig(reject_ignored_features=True)
         self.vocab = tokenizer.name
         self.backend = XGrammarBackend(tokenizer)
         self.compile_ms: dict[str, float] = {}

@@ -46,7 +46,23 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(verify, positional=True)
 
     check = sub.add_parser("check", help="compile a workload's specs on one process")
-    check.add_argument("workload", nargs="?", help="JSONL workload (default: the config's)")
+    check.add_argument(
+        "workload",
+        nargs="?",
+        help="JSONL workload (default: the config's); with --instances, a schemas file "
+        "(default: the dev data's schemas-dev.jsonl)",
+    )
+    check.add_argument(
+        "--instances",
+        action="store_true",
+        help="walk every test instance of every schema through the grammar we would use, "
+        "and report per schema: exact, under- or over-constrained, end-checked, refused",
+    )
+    check.add_argument(
+        "--labels",
+        help="with --instances: raw xgrammar's verdicts to print beside ours (default: "
+        "schemas-dev.xgrammar-labels.jsonl beside the schemas, when present)",
+    )
     check.add_argument("--config", help="cluster YAML (default: built-in defaults)")
     check.add_argument(
         "--out", help="per-record JSONL output, native log beside it (default: stdout)"
@@ -145,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(msgspec.json.format(msgspec.json.encode(config), indent=2).decode())
         return 0
+    if args.command == "check" and args.instances:
+        from gramcoord.launch.instances import main_instances
+
+        return main_instances(config, args.workload, args.labels, args.out)
     if args.command in ("run", "verify", "check"):
         workload = _workload(args, config)
         problem = _workload_problem(config, workload)

@@ -67,6 +67,9 @@ def summary_table(s: Summary, out_dir: Path | None = None) -> Table:
         "JSON outputs valid / parsed / checked",
         f"{j['valid']} / {j['parsed']} / {j['checked']}",
     )
+    e = s.end_checks
+    if e.get("checked"):
+        t.add_row("end-checked outputs failed / checked", f"{e['failed']} / {e['checked']}")
     for name, p in s.latency_ms.items():
         t.add_row(f"{name} ms p50 / p99", f"{p.p50:.3f} / {p.p99:.3f} (n={p.count})")
     t.add_row("determinism", determinism_line(s.determinism))

@@ -53,6 +53,10 @@ class Summary(msgspec.Struct, kw_only=True):
     latency_ms: dict[str, Percentiles]
     cache: dict[str, int]
     json_valid: dict[str, int]
+    # Outputs of grammars that do not enforce all of their schema, validated
+    # at the end: how many, and how many broke the schema (failed with
+    # output_schema_mismatch, never ok).
+    end_checks: dict[str, int] = msgspec.field(default_factory=dict)
     # Control frames the TP readers dropped (malformed, stale) and the
     # writers garbled on purpose (faults.corrupt_frames_every).
     transport: dict[str, int]
@@ -172,6 +176,10 @@ def merge(
             "joined": sum(s.joined for s in stats),
         },
         json_valid=checker.counts(),
+        end_checks={
+            "checked": sum(o.end_check is not None for o in outputs),
+            "failed": sum(o.end_check == "failed" for o in outputs),
+        },
         transport={
             "dropped": sum(r.stats.transport_dropped for r in reports if r.stats),
             "corrupted": sum(r.stats.transport_corrupted for r in reports if r.stats),

@@ -79,9 +79,11 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Default strict_mode for JSON schemas (no additional properties/items
     # unless the schema allows them).
     strict_mode: bool = True
-    # Reject JSON-Schema features xgrammar would silently ignore. False
-    # downgrades them to warnings.
-    reject_ignored_features: bool = True
+    # JSON-Schema features xgrammar would not enforce: refuse the schema
+    # (true), or admit it with a warning that names them and validate the
+    # finished output against the schema (false, the default): an output
+    # that breaks it fails with output_schema_mismatch, never as ok.
+    reject_ignored_features: bool = False
     # Hard cap on the serialized spec, in bytes.
     max_spec_bytes: Annotated[int, Meta(ge=64)] = 1 << 20
     # Emit grammar-forced strings without a model step.

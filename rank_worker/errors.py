@@ -41,6 +41,11 @@ class ErrorCode(IntEnum):
     # 41 is retired (overflowing the pending window waits, it never fails).
     duplicate_request_id = 42
     bad_request_id = 43
+    # A finished output broke the schema its grammar did not fully enforce
+    # (the end check, grammars.end_check).
+    output_schema_mismatch = 50
+    # The grammar's shortest sentence needs more tokens than max_tokens.
+    grammar_unreachable_end = 51
 
     @classmethod
     def name_of(cls, value: int) -> str:

@@ -80,8 +80,16 @@ def grammar_config(disable_any_whitespace: bool, options: dict[str, Any] | None 
     # the engine loop of CPU (compile threads yield to the loop).
     options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
     options.setdefault("compile_nice", 10)
+    # vLLM has no hook that sees a finished output, so nothing can be
+    # checked at the end: what xgrammar would not enforce is refused at
+    # vLLM's front end instead.
     return msgspec.convert(
-        {**options, "compile_mode": "async", "any_whitespace": not disable_any_whitespace},
+        {
+            **options,
+            "compile_mode": "async",
+            "any_whitespace": not disable_any_whitespace,
+            "reject_ignored_features": True,
+        },
         GrammarConfig,
     )
 

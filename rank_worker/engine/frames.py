@@ -29,6 +29,8 @@ class Submitted(msgspec.Struct, frozen=True, array_like=True):
     seq: int
     # The structured_outputs mapping as JSON text.
     spec_json: str
+    # The request's token budget (admission refuses unreachable ends).
+    max_tokens: int = 0
 
 
 class Arrivals(msgspec.Struct, frozen=True, tag=True):

@@ -221,7 +221,9 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
     arrivals = frames.decode(raw, Arrivals)
     stage = session.leader
     for sub in arrivals.requests:
-        stage.submit(sub.request_id, json.loads(sub.spec_json), seq=sub.seq)
+        stage.submit(
+            sub.request_id, json.loads(sub.spec_json), seq=sub.seq, max_tokens=sub.max_tokens
+        )
     t0 = time.perf_counter()
     decided = stage.step(step)
     timings.add("agreement", (time.perf_counter() - t0) * 1e3)

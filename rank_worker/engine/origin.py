@@ -37,6 +37,7 @@ from gramcoord.rank_worker.engine.requests import (
     OutputRecord,
     failed_record,
 )
+from gramcoord.rank_worker.grammars.end_check import MISMATCH, end_check
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
@@ -149,7 +150,7 @@ class Origin:
         except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
             self.outputs[rid] = failed_record(rid, "spec_bad_json", f"spec is not JSON: {exc}")
             return
-        outcome = self._submit(rid, req.spec)
+        outcome = self._submit(rid, req.spec, max_tokens=req.max_tokens)
         if outcome.status == "failed":
             self.outputs[rid] = failed_record(
                 rid,
@@ -161,7 +162,7 @@ class Origin:
         else:
             self._pending[rid] = _Running(req, prompt_ids, outcome)
         if outcome.seq >= 0:
-            submitted.append(Submitted(rid, outcome.seq, spec_json))
+            submitted.append(Submitted(rid, outcome.seq, spec_json, req.max_tokens))
 
     def decided(self, admitted: Sequence[Outcome], failed: Sequence[Outcome]) -> None:
         """Apply the session's step: admitted requests start running."""
@@ -232,6 +233,20 @@ class Origin:
         stops = set(self.tokenizer.stop_ids)
         text = self.tokenizer.decode([t for t in r.out if t not in stops])
         error = ErrorInfo(res.error_code, res.error_message) if res.error_code else None
+        if (
+            error is None
+            and o is not None
+            and o.end_check is not None
+            and res.finish_reason
+            in (
+                "grammar_end",
+                "stop",
+            )
+        ):
+            why = end_check(o.end_check, text)
+            facts["end_check"] = "passed" if why is None else "failed"
+            if why is not None:  # never "ok": the grammar let it through, the schema does not
+                error = ErrorInfo(MISMATCH, why)
         self.outputs[rid] = OutputRecord(
             id=rid,
             status="failed" if error else "ok",

@@ -43,6 +43,9 @@ class OutputRecord(msgspec.Struct, kw_only=True):
     # Admission facts (not part of the comparison with the reference run).
     cache: str = "none"
     compile_ms: float = 0.0
+    # The end check of a grammar that does not enforce all of its schema
+    # (grammars.end_check): "passed" or "failed"; None when none ran.
+    end_check: Literal["passed", "failed"] | None = None
     # Model forward steps this request took, and steps jump-forward saved.
     model_steps: int = 0
     jump_forward_tokens: int = 0

@@ -52,10 +52,14 @@ from gramcoord.rank_worker.grammars.outcome import (
     refuse_id,
     refuse_seq,
 )
+from gramcoord.rank_worker.grammars.shortest import min_output_bytes, min_tokens
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Shortest-output bounds kept, by grammar key.
+_SHORTEST_KEPT = 4096
 
 # The follower wait is capped at this share of the step timeout (see
 # ``stage_wait_s``).
@@ -137,6 +141,8 @@ class GrammarManager:
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
         self.stats = ManagerStats()
+        # Shortest-output bounds in tokens, by key (``_min_tokens``).
+        self._shortest: dict[bytes, int] = {}
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
 
@@ -160,11 +166,15 @@ class GrammarManager:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def add(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+    def add(
+        self, request_id: str, spec: Any, *, seq: int | None = None, max_tokens: int | None = None
+    ) -> Outcome:
         """Validate, key and look up one request, then submit its compile.
 
         Never raises for bad input: a rejected spec or a poisoned key comes
-        back as a ``failed`` outcome with a code.
+        back as a ``failed`` outcome with a code. With ``max_tokens``, a
+        grammar whose shortest output needs more tokens fails with
+        ``grammar_unreachable_end`` (``grammars.shortest``).
         """
         if seq is None:
             seq = self._next_seq
@@ -187,6 +197,19 @@ class GrammarManager:
                 message=exc.message,
             )
         entry = _Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
+        if max_tokens is not None:
+            need = self._min_tokens(gspec)
+            if need > max_tokens:
+                return self._outcome(
+                    entry,
+                    "failed",
+                    code=ErrorCode.grammar_unreachable_end.name,
+                    message=(
+                        f"the grammar's shortest output needs at least {need} tokens (of at "
+                        f"most {self.tokenizer.max_token_bytes} bytes each); max_tokens is "
+                        f"{max_tokens}: raise max_tokens or loosen the length bounds"
+                    ),
+                )
         poisoned = self._poisoned_outcome(entry)
         if poisoned is not None:
             return poisoned
@@ -196,6 +219,17 @@ class GrammarManager:
             return self._outcome(entry, "waiting")
         self._enter_window(entry)
         return self._outcome(entry, "pending")
+
+    def _min_tokens(self, gspec: GrammarSpec) -> int:
+        need = self._shortest.get(gspec.key)
+        if need is None:
+            need = min_tokens(
+                min_output_bytes(gspec.kind, gspec.text), self.tokenizer.max_token_bytes
+            )
+            if len(self._shortest) >= _SHORTEST_KEPT:
+                self._shortest.pop(next(iter(self._shortest)))
+            self._shortest[gspec.key] = need
+        return need
 
     def _poisoned_outcome(self, entry: _Entry) -> Outcome | None:
         hit = self.poison.get(entry.spec.key, self.agreed_ms)
@@ -434,4 +468,5 @@ class GrammarManager:
             message=message,
             warnings=entry.warnings,
             compile_ms=round(entry.compile_ms, 3),
+            end_check=entry.spec.text if entry.spec.end_check and status == "admitted" else None,
         )

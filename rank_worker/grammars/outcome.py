@@ -31,6 +31,10 @@ class Outcome(msgspec.Struct, kw_only=True):
     message: str = ""
     warnings: tuple[str, ...] = ()
     compile_ms: float = 0.0
+    # An admitted request whose grammar does not enforce all of its schema:
+    # the canonical schema its finished output is validated against
+    # (``grammars.end_check``); None when the grammar enforces it all.
+    end_check: str | None = None
 
 
 class ManagerStats(msgspec.Struct, kw_only=True):

@@ -13,8 +13,14 @@ One walk does three jobs:
   ``multipleOf`` on non-integers (and on integers when fractional, above
   1024, or next to a one-sided or more-than-10000-wide range),
   ``uniqueItems``, ``contains``, ``allOf`` with two or more branches,
-  length bounds next to ``pattern``/``format``, and any ``format`` outside
-  ``SUPPORTED_FORMATS``. These are reported.
+  length bounds next to ``pattern``/``format``, any ``format`` outside
+  ``SUPPORTED_FORMATS``, the calendar of ``date`` / ``date-time``,
+  ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``not`` and
+  ``if``/``then``/``else``. These are reported; the session then refuses
+  the schema or checks the finished output (``grammar.reject_ignored_features``).
+- **Rewrites.** A count keyword written as an integral float
+  (``minLength: 2.0``) is written as the integer: xgrammar refuses the float
+  but enforces the same bound as an integer.
 - **Type names.** A ``type`` that names no JSON Schema type (``"objekt"``)
   is reported, so it fails with a clear message before xgrammar's own.
 - **References.** A ``$ref`` that is not a local JSON pointer is compiled by
@@ -31,6 +37,8 @@ from __future__ import annotations
 
 from typing import Any
 from urllib.parse import unquote
+
+import jsonschema
 
 # Formats xgrammar 0.2.9 enforces (each rejects "% %" where a plain string
 # accepts it; tests/rank_worker/grammars/test_schema_lint.py re-checks this list).
@@ -52,6 +60,41 @@ SUPPORTED_FORMATS = frozenset(
         "relative-json-pointer",
     }
 )
+
+# Keywords xgrammar 0.2.9 compiles and does not enforce at all (each is
+# probed in tests/rank_worker/grammars/test_schema_lint.py: the grammar
+# accepts an instance the keyword forbids).
+_UNENFORCED_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas", "not")
+# Formats whose shape xgrammar enforces but not the calendar.
+_CALENDAR_FORMATS = frozenset({"date", "date-time"})
+# Keywords that take a whole number: an integral float (``2.0``) is written
+# as the integer, which xgrammar enforces (it refuses ``2.0`` outright).
+_COUNT_KEYWORDS = frozenset(
+    {
+        "minLength",
+        "maxLength",
+        "minItems",
+        "maxItems",
+        "minProperties",
+        "maxProperties",
+        "minContains",
+        "maxContains",
+    }
+)
+
+# Keywords that constrain a value of one type. On a node without ``type``
+# xgrammar 0.2.9 enforces none of them unless another keyword makes it infer
+# the type (``properties`` / ``additionalProperties``: object; ``items`` /
+# ``prefixItems``: array), and beside ``enum`` / ``const`` / ``$ref`` /
+# ``anyOf`` / ``oneOf`` / ``allOf`` it enforces none of them at all.
+VALUE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "object": ("patternProperties", "minProperties", "maxProperties", "propertyNames"),
+    "array": ("minItems", "maxItems"),
+}
+_INFERS = {"object": ("properties", "additionalProperties"), "array": ("items", "prefixItems")}
+_SHAPE_KEYWORDS = ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 
 # The values ``type`` may name (JSON Schema's instance types).
 JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
@@ -138,9 +181,17 @@ def _lint_node(node: dict, path: str, findings: SchemaFindings, root: Any) -> No
     all_of = node.get("allOf")
     if isinstance(all_of, list) and len(all_of) >= 2:
         findings.ignored.append((path, f"allOf with {len(all_of)} branches is not enforced"))
+    _lint_untyped(node, path, findings)
+    for key in _UNENFORCED_KEYWORDS:
+        if key in node:
+            findings.ignored.append((path, f"{key} is not enforced"))
+    if "if" in node and ("then" in node or "else" in node):
+        findings.ignored.append((path, "if/then/else is not enforced"))
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:
         findings.ignored.append((path, f"format {fmt!r} is not enforced"))
+    elif isinstance(fmt, str) and fmt in _CALENDAR_FORMATS:
+        findings.ignored.append((path, f"format {fmt!r} accepts impossible dates (2022-02-30)"))
     has_len = "minLength" in node or "maxLength" in node
     if has_len and ("pattern" in node or isinstance(fmt, str)):
         findings.ignored.append((path, "minLength/maxLength next to pattern/format is ignored"))
@@ -156,6 +207,60 @@ def _lint_node(node: dict, path: str, findings: SchemaFindings, root: Any) -> No
             findings.remote_refs.append((path, ref))
     if isinstance(node.get("$dynamicRef"), str):
         findings.remote_refs.append((path, node["$dynamicRef"]))
+
+
+_SIBLINGS = frozenset({"type", *(k for keys in VALUE_KEYWORDS.values() for k in keys)})
+
+
+def _rewrite_enum(node: dict, path: str, findings: SchemaFindings) -> dict:
+    """Keep only the ``enum`` / ``const`` values that satisfy the keywords beside them.
+
+    xgrammar emits exactly the listed values and ignores ``type``,
+    ``minLength`` and the other value keywords beside them; JSON Schema
+    requires both. Filtering the values with those keywords (``jsonschema``,
+    formats checked) gives a schema xgrammar enforces exactly.
+    """
+    values = node.get("enum") if isinstance(node.get("enum"), list) else None
+    if values is None and "const" not in node:
+        return node
+    siblings = {k: node[k] for k in node if k in _SIBLINGS}
+    if not siblings:
+        return node
+    try:
+        cls = jsonschema.validators.validator_for({})
+        check = cls(siblings, format_checker=cls.FORMAT_CHECKER)
+        if values is None:
+            keep = [node["const"]] if check.is_valid(node["const"]) else []
+        else:
+            keep = [v for v in values if check.is_valid(v)]
+    except (jsonschema.SchemaError, TypeError, ValueError, RecursionError):
+        return node  # keywords jsonschema cannot use: xgrammar's own verdict stands
+    if not keep:
+        # Nothing here can match, yet the schema may still be satisfiable
+        # (an optional property): xgrammar's grammar stays, and the end
+        # check catches an output that uses the node.
+        what = "const" if values is None else "enum values"
+        findings.ignored.append((path, f"{sorted(siblings)} beside {what} is not enforced"))
+        return node
+    if values is None or len(keep) == len(values):
+        return node
+    return {**node, "enum": keep}
+
+
+def _lint_untyped(node: dict, path: str, findings: SchemaFindings) -> None:
+    """Value keywords xgrammar drops: on an untyped node, or beside a shape keyword."""
+    if "type" in node and not any(k in node for k in ("$ref", "anyOf", "oneOf", "allOf")):
+        return
+    shape = next((k for k in _SHAPE_KEYWORDS if k in node), None)
+    if shape in ("enum", "const") and "type" not in node:
+        return  # the values are the constraint; rewrite_enum keeps those that satisfy the rest
+    for kind, keys in VALUE_KEYWORDS.items():
+        if shape is None and any(k in node for k in _INFERS.get(kind, ())):
+            continue  # the type is inferred and its keywords enforced
+        for key in keys:
+            if key in node:
+                where = f"beside {shape}" if shape else "on a node without type"
+                findings.ignored.append((path, f"{key} {where} is not enforced"))
 
 
 # xgrammar 0.2.9 enforces an integer multipleOf only up to this value, and
@@ -232,6 +337,7 @@ def walk_schema(schema: Any, *, max_depth: int) -> tuple[Any, SchemaFindings]:
             put(value)
             continue
         _lint_node(value, path, findings, schema)
+        value = _rewrite_enum(value, path, findings)
         # Keys are seeded in order first: children are filled later, in
         # stack (reverse) order.
         new: dict[str, Any] = dict.fromkeys(sorted(value))
@@ -258,6 +364,8 @@ def walk_schema(schema: Any, *, max_depth: int) -> tuple[Any, SchemaFindings]:
                 for name, s in child.items():
                     stack.append((s, isinstance(s, dict), depth + 2, cpath, _setter(sub, name)))
             else:
+                if key in _COUNT_KEYWORDS and isinstance(child, float) and child.is_integer():
+                    child = int(child)  # the same constraint, written as xgrammar takes it
                 stack.append((child, False, depth + 1, cpath, _setter(new, key)))
     return out_root[0], findings
 

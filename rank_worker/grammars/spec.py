@@ -72,6 +72,11 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     # blake2b-128 digest; identical on every rank for the same spec.
     key: bytes
     warnings: tuple[str, ...] = ()
+    # The grammar does not enforce all of the schema (an ignored feature
+    # accepted with a warning, or a oneOf enforced as anyOf): the finished
+    # output is validated against ``text`` before it is returned
+    # (``grammars.end_check``).
+    end_check: bool = False
 
     @property
     def needs_full_vocab(self) -> bool:
@@ -396,4 +401,9 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
         strict_mode=strict,
         key=key,
         warnings=tuple(warnings),
+        end_check=kind == "json" and any(w.startswith(_END_CHECKED) for w in warnings),
     )
+
+
+# Warnings whose schema the grammar does not fully enforce: checked at the end.
+_END_CHECKED = (WarningCode.ignored_feature, WarningCode.oneof_as_anyof)

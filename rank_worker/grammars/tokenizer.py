@@ -145,6 +145,11 @@ class Tokenizer:
         kw = dict(vocab_size=self.vocab_size, stop_token_ids=list(stop_ids))
         self.info = xgr.TokenizerInfo(restricted, xgr.VocabType.RAW, **kw)
         self.full_info = xgr.TokenizerInfo(token_bytes, xgr.VocabType.RAW, **kw)
+        # The most bytes one token of constrained text carries (specials
+        # never appear there): bounds how short an output can be in tokens.
+        self.max_token_bytes = max(
+            (len(t) for i, t in enumerate(token_bytes) if i not in special_set), default=1
+        )
 
     def encode(self, text: str) -> list[int]:
         """Encode ordinary text; special-token text is encoded as plain bytes.

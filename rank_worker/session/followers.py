@@ -173,11 +173,13 @@ class TpFollower:
         """The requests the leader admitted that have not ended (``read`` mode)."""
         return self._book.running if self._book is not None else ()
 
-    def submit(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+    def submit(
+        self, request_id: str, spec: Any, *, seq: int | None = None, max_tokens: int | None = None
+    ) -> Outcome:
         """Take the same request as the leader, in the same order; never raises for bad input."""
         if self._book is not None:
             return self._book.add(request_id, seq)
-        return self._manager.add(request_id, spec, seq=seq)
+        return self._manager.add(request_id, spec, seq=seq, max_tokens=max_tokens)
 
     def step(self, step: int) -> StepOutcome:
         """Receive the leader's note for ``step`` and apply it.

@@ -116,7 +116,9 @@ class StageLeader:
 
     # -- per request ------------------------------------------------------------
 
-    def submit(self, request_id: str, spec: Any, *, seq: int | None = None) -> Outcome:
+    def submit(
+        self, request_id: str, spec: Any, *, seq: int | None = None, max_tokens: int | None = None
+    ) -> Outcome:
         """Admit one request for compilation; never raises for bad input.
 
         Parameters
@@ -128,6 +130,9 @@ class StageLeader:
         seq:
             Pins the sequence number (later pipeline stages pass stage 0's);
             it must increase.
+        max_tokens:
+            The request's token budget: a grammar whose shortest output
+            needs more fails at once with ``grammar_unreachable_end``.
 
         Returns
         -------
@@ -136,7 +141,7 @@ class StageLeader:
             a code), else ``pending`` or ``waiting`` until a ``step``
             decides.
         """
-        outcome = self._manager.add(request_id, spec, seq=seq)
+        outcome = self._manager.add(request_id, spec, seq=seq, max_tokens=max_tokens)
         if outcome.status == "failed" and self._notes is not None:
             self._submit_failed.append(outcome)
         return outcome

@@ -84,7 +84,9 @@ def test_check_lines_and_summary(tmp_path, tiny_tokenizer, monkeypatch):
     assert by_id["ok1"]["status"] == "ok" and by_id["ok1"]["cache"] == "miss"
     assert by_id["dup"]["status"] == "ok" and by_id["dup"]["cache"] in ("joined", "hit")
     assert by_id["line-3"]["code"] == "record_invalid"
-    assert by_id["unique"]["code"] == "schema_unsupported_feature"
+    # Admitted, named, and checked at the end (reject_ignored_features is off).
+    assert by_id["unique"]["status"] == "ok"
+    assert by_id["unique"]["warnings"][0].startswith("ignored_feature")
     assert by_id["badre"]["code"] == "grammar_invalid"
     assert by_id["badre2"]["code"] == "grammar_invalid" and by_id["badre2"]["cache"] in (
         "joined",

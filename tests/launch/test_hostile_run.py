@@ -36,6 +36,9 @@ INLINE = ("launcher=inline", "parallel.dp=1", "parallel.tp=1")
 # Deadlines are not under test here: enum-10k compiles in about a second on a
 # quiet machine and may take many on a busy one.
 NO_DEADLINE = ("grammar.compile_timeout_s=600",)
+# The corpus's codes refuse what xgrammar would not enforce (the default
+# admits it with a warning and checks the output).
+REFUSE = ("grammar.reject_ignored_features=true",)
 # Fields of an output record that must not change when hostile requests run
 # beside it (cache and timing facts may).
 SAME = ("status", "finish_reason", "text", "token_ids")
@@ -46,7 +49,7 @@ leak_guard = pytest.fixture(autouse=True)(leak_guarded)
 
 def _run(capfd, workload: Path, out: Path) -> list[dict]:
     argv = ["run", str(CONFIGS / "local.yaml"), "--workload", str(workload), "--out", str(out)]
-    rc = main(argv + sets(*FAST, *INLINE, *NO_DEADLINE))
+    rc = main(argv + sets(*FAST, *INLINE, *NO_DEADLINE, *REFUSE))
     text = squash(capfd.readouterr().out)
     assert rc == 0, text
     return read_outputs(out)

@@ -236,7 +236,13 @@ def test_shipped_workload_verdicts(tiny_tokenizer):
                 assert matcher.accept_string(rec.reference) and matcher.is_completed(), rec.id
     finally:
         manager.close()
-    assert got == {r.id: expect[r.id] for r in recs}
+    # The default admits what xgrammar would not enforce (end-checked): a
+    # record generated as refused for it is admitted here.
+    admitted = {"schema_unsupported_feature"}
+    want = {r.id: None if expect[r.id] in admitted else expect[r.id] for r in recs}
+    assert {rid: code for rid, code in got.items() if code is not None} == {
+        rid: code for rid, code in want.items() if code is not None
+    }
     repeated = [rid for rid, c in cache.items() if c == "poisoned"]
     assert len(repeated) == 1 and expect[repeated[0]] == "grammar_invalid"
 

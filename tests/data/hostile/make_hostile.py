@@ -221,11 +221,11 @@ def _regex() -> list[Entry]:
     return [
         Entry(
             id="hostile/regex/repeat-1e9",
-            what="bounded repeat of 10^9 letters: xgrammar keeps the count symbolic, "
-            "so it compiles; the output runs to max_tokens",
+            what="bounded repeat of 10^9 letters: xgrammar keeps the count symbolic and "
+            "would compile it, but no output of 16 tokens can end it: refused at admission",
             spec={"regex": "[a-z]{1000000000}"},
             max_tokens=16,
-            expect=_finish("length"),
+            expect=_code("grammar_unreachable_end"),
         ),
         Entry(
             id="hostile/regex/repeat-nested",
@@ -579,21 +579,21 @@ def _length() -> list[Entry]:
     return [
         Entry(
             id="hostile/length/min-length-1e6",
-            what="string minLength 10^6, far beyond max_tokens: compiles, stops at max_tokens",
+            what="string minLength 10^6, far beyond max_tokens: refused at admission",
             spec=j({"type": "string", "minLength": 1_000_000}),
             max_tokens=16,
-            expect=_finish("length"),
+            expect=_code("grammar_unreachable_end"),
         ),
         Entry(
             id="hostile/length/pattern-repeat-1e6",
-            what="pattern `^[a-z]{1000000}$`: compiles, stops at max_tokens",
+            what="pattern `^[a-z]{1000000}$`, far beyond max_tokens: refused at admission",
             spec=j({"type": "string", "pattern": "^[a-z]{1000000}$"}),
             max_tokens=16,
-            expect=_finish("length"),
+            expect=_code("grammar_unreachable_end"),
         ),
         Entry(
             id="hostile/length/min-items-1e5",
-            what="array minItems 10^5 of objects: compiles, stops at max_tokens",
+            what="array minItems 10^5 of objects, far beyond max_tokens: refused at admission",
             spec=j(
                 {
                     "type": "array",
@@ -606,18 +606,26 @@ def _length() -> list[Entry]:
                 }
             ),
             max_tokens=16,
-            expect=_finish("length"),
+            expect=_code("grammar_unreachable_end"),
         ),
         Entry(
-            id="hostile/length/min-items-1e6-no-items",
-            what="array minItems 10^6 with no items schema (strict mode: no items allowed)",
-            spec=j({"type": "array", "minItems": 1_000_000}),
+            id="hostile/length/min-items-no-items",
+            what="array minItems 2 with no items schema (strict mode: no items allowed)",
+            spec=j({"type": "array", "minItems": 2}),
             expect=_code("grammar_invalid"),
         ),
         Entry(
             id="hostile/length/min-properties-1e6",
-            what="object minProperties 10^6 with additionalProperties: stops at max_tokens",
+            what="object minProperties 10^6 with additionalProperties: refused at admission",
             spec=j({"type": "object", "minProperties": 1_000_000, "additionalProperties": True}),
+            max_tokens=16,
+            expect=_code("grammar_unreachable_end"),
+        ),
+        Entry(
+            id="hostile/length/beyond-but-within-the-bound",
+            what="string minLength 40 with max_tokens 16: the bound (16 tokens of up to "
+            "the longest token's bytes) cannot rule it out, so it runs to max_tokens",
+            spec=j({"type": "string", "minLength": 40}),
             max_tokens=16,
             expect=_finish("length"),
         ),
@@ -815,8 +823,13 @@ Two kinds of record a client cannot send as plain JSON:
   the line parses and the depth check refuses the spec: `spec_too_deep`.
 
 Codes: `spec_*` and `schema_unsupported_feature` are refused at admission,
-before any compile; `grammar_invalid` is xgrammar refusing the spec at
-compile; `record_invalid` is a workload line the reader could not use.
+before any compile (`schema_unsupported_feature` with
+`grammar.reject_ignored_features: true`, as the soak and these tests run;
+the default admits such a schema with a warning and checks the output);
+`grammar_unreachable_end` is a grammar whose shortest output needs more
+tokens than the record's `max_tokens`, refused at admission too;
+`grammar_invalid` is xgrammar refusing the spec at compile; `record_invalid`
+is a workload line the reader could not use.
 
 | id | what it exercises | expected |
 |---|---|---|

@@ -151,7 +151,7 @@ class FakeSubmit:
         self.calls: list[tuple[str, object]] = []
         self._seq = itertools.count()
 
-    def __call__(self, rid, spec) -> Outcome:
+    def __call__(self, rid, spec, *, max_tokens=None) -> Outcome:
         self.calls.append((rid, spec))
         if rid in self.no_seq:
             return Outcome(request_id=rid, seq=-1, status="failed", code="bad_request_id")
@@ -563,6 +563,37 @@ def test_run_loop_failures_still_finish(run, qwen_tokenizer):
     assert len(out["short"].token_ids) == 1
     assert out["colour"].status == "ok"
     assert seen[-1] == (5, 5) and len(seen) == report.steps
+
+
+def test_an_output_the_grammar_let_through_but_the_schema_forbids_is_never_ok(qwen_tokenizer):
+    # xgrammar ignores dependentRequired: the grammar admits {"a": 1}, the
+    # schema does not. The request is admitted with a warning and its
+    # finished output is checked at the end.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a"],
+        "dependentRequired": {"a": ["b"]},
+    }
+    records = [
+        EngineRequest(request_id="breaks", spec={"json": schema}, reference='{"a": 1}'),
+        EngineRequest(request_id="holds", spec={"json": schema}, reference='{"a": 1, "b": 2}'),
+        EngineRequest(request_id="exact", spec={"json": {"type": "integer"}}, reference="7"),
+    ]
+    report, _ = _run(qwen_tokenizer, records)
+    out = {o.id: o for o in report.outputs}
+    broke = out["breaks"]
+    assert (broke.status, broke.finish_reason, broke.end_check) == (
+        "failed",
+        "grammar_end",
+        "failed",
+    )
+    assert broke.error.code == "output_schema_mismatch"
+    assert "'b' is a dependency of 'a'" in broke.error.message
+    assert broke.text == '{"a": 1}'  # kept, for the user to see
+    assert any(w.startswith("ignored_feature") for w in broke.warnings)
+    assert (out["holds"].status, out["holds"].end_check) == ("ok", "passed")
+    assert (out["exact"].status, out["exact"].end_check) == ("ok", None)
 
 
 # -- launch/summary.merge ----------------------------------------------------------

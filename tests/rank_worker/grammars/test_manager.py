@@ -361,3 +361,47 @@ def test_bad_request_id_fails_only_that_request(tiny_tokenizer, rid):
     out = m.add(rid, {"regex": "a"})
     assert (out.status, out.code) == ("failed", "bad_request_id")
     assert m.add("fine", {"regex": "a"}).status == "pending"
+
+
+@pytest.mark.parametrize(
+    ("spec", "max_tokens", "fails"),
+    [
+        pytest.param({"regex": "a{100000}"}, 256, True, id="regex-repeat"),
+        pytest.param({"regex": "a{100000}"}, 200_000, False, id="regex-repeat-room"),
+        pytest.param({"json": {"type": "string", "minLength": 10**8}}, 256, True, id="minLength"),
+        pytest.param(
+            {"json": {"type": "array", "items": {"type": "integer"}, "minItems": 10**6}},
+            256,
+            True,
+            id="minItems",
+        ),
+        pytest.param(
+            {
+                "json": {
+                    "type": "object",
+                    "properties": {"k": {"type": "string", "minLength": 900}},
+                    "required": ["k"],
+                }
+            },
+            64,
+            True,
+            id="required-property",
+        ),
+        pytest.param({"json": {"type": "string", "minLength": 4}}, 256, False, id="reachable"),
+        pytest.param({"choice": ["x" * 5000, "y" * 3000]}, 8, True, id="choice"),
+        pytest.param({"grammar": 'root ::= "a"*'}, 1, False, id="lark-no-bound"),
+    ],
+)
+def test_a_grammar_that_cannot_end_within_max_tokens_fails_at_admission(
+    tiny_tokenizer, spec, max_tokens, fails
+):
+    m, _, _ = make(tiny_tokenizer, compile_mode="sync")
+    out = m.add("r", spec, max_tokens=max_tokens)
+    if fails:
+        assert (out.status, out.code) == ("failed", "grammar_unreachable_end")
+        assert f"max_tokens is {max_tokens}" in out.message
+        assert m.service.num_compiles == 0  # refused before any compile
+    else:
+        assert out.status == "pending", out
+    # Without a budget nothing is refused for length.
+    assert m.add("r2", spec).status == "pending"

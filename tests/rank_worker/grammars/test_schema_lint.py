@@ -190,7 +190,7 @@ ISSUE_SHAPE = {
 
 def test_issue_shape_is_rejected():
     with pytest.raises(SpecError) as info:
-        validate_spec({"json": ISSUE_SHAPE}, GrammarConfig())
+        validate_spec({"json": ISSUE_SHAPE}, GrammarConfig(reject_ignored_features=True))
     assert info.value.code is ErrorCode.schema_unsupported_feature
     assert "$.items.items: required 'foo' is not enforced" in info.value.message
     assert "reject_ignored_features" in info.value.message
@@ -221,3 +221,83 @@ def test_supported_formats_are_enforced(compiler, fmt):
     # "% %" is a plain string no supported format accepts.
     assert _accepts(compiler, {"type": "string"}, True, '"% %"')
     assert not _accepts(compiler, {"type": "string", "format": fmt}, True, '"% %"')
+
+
+# -- keywords xgrammar compiles and does not enforce ----------------------------------
+
+OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+
+# (schema, a text the keyword forbids, the message the lint gives)
+UNENFORCED = [
+    pytest.param({**OBJ_AB, "dependencies": {"a": ["b"]}}, '{"a": 1}', "dependencies", id="dependencies-names"),
+    pytest.param({**OBJ_AB, "dependencies": {"a": {"required": ["b"]}}}, '{"a": 1}', "dependencies", id="dependencies-schema"),
+    pytest.param({**OBJ_AB, "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "dependentRequired", id="dependentRequired"),
+    pytest.param({**OBJ_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}', "dependentSchemas", id="dependentSchemas"),
+    pytest.param({"type": "integer", "not": {"const": 1}}, "1", "not is not", id="not"),
+    pytest.param(
+        {**OBJ_AB, "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
+        '{"a": 1}', "if/then/else", id="if-then",
+    ),
+    pytest.param({"type": "string", "format": "date"}, '"2022-02-30"', "impossible dates", id="date-calendar"),
+    pytest.param(
+        {"type": "string", "format": "date-time"}, '"2022-02-30T00:00:00Z"', "impossible dates",
+        id="date-time-calendar",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "forbidden", "message"), UNENFORCED)
+def test_unenforced_keywords_are_found_and_xgrammar_really_ignores_them(
+    compiler, schema, forbidden, message
+):
+    assert _accepts(compiler, schema, True, forbidden), "xgrammar enforces it after all"
+    with pytest.raises(SpecError) as info:
+        validate_spec({"json": schema}, GrammarConfig(reject_ignored_features=True))
+    assert info.value.code is ErrorCode.schema_unsupported_feature
+    assert message in info.value.message
+    spec = validate_spec({"json": schema}, GrammarConfig(reject_ignored_features=False))
+    assert spec.end_check and any(message in w for w in spec.warnings)
+
+
+@pytest.mark.parametrize(
+    ("schema", "short", "enough"),
+    [
+        pytest.param({"type": "string", "minLength": 2.0}, '"a"', '"ab"', id="minLength"),
+        pytest.param(
+            {"type": "array", "items": {"type": "integer"}, "minItems": 2.0},
+            "[1]",
+            "[1, 2]",
+            id="minItems",
+        ),
+        pytest.param(
+            {"type": "array", "items": {"type": "integer"}, "maxItems": 1.0},
+            "[1, 2]",
+            "[1]",
+            id="maxItems",
+        ),
+    ],
+)
+def test_an_integral_float_count_is_enforced_as_the_integer(compiler, schema, short, enough):
+    spec = validate_spec({"json": schema}, GrammarConfig())
+    assert not spec.end_check and not spec.warnings
+    canonical = json.loads(spec.text)
+    assert all(isinstance(v, int) for k, v in canonical.items() if k.startswith(("min", "max")))
+    assert not _accepts(compiler, canonical, True, short)
+    assert _accepts(compiler, canonical, True, enough)
+
+
+def test_enum_values_are_filtered_by_the_keywords_beside_them(compiler):
+    schema = {"type": "string", "enum": ["a", "bb", 3], "minLength": 2}
+    spec = validate_spec({"json": schema}, GrammarConfig())
+    assert json.loads(spec.text)["enum"] == ["bb"] and not spec.warnings
+    assert not _accepts(compiler, json.loads(spec.text), True, '"a"')
+    assert _accepts(compiler, schema, True, '"a"')  # xgrammar alone takes "a"
+
+
+def test_an_enum_nothing_satisfies_stays_and_is_checked_at_the_end():
+    # An optional property no value can satisfy: the schema still holds
+    # objects without it, so it is admitted, named, and end-checked.
+    schema = {"type": "object", "properties": {"k": {"type": "object", "enum": ["a", "b"]}}}
+    spec = validate_spec({"json": schema}, GrammarConfig())
+    assert spec.end_check
+    assert any("beside enum values is not enforced" in w for w in spec.warnings)

@@ -1,0 +1,62 @@
+"""The end check: a finished output validated against the schema the grammar weakened.
+
+A JSON schema whose grammar does not enforce all of it (a feature xgrammar
+ignores, admitted with ``grammar.reject_ignored_features: false``; a
+``oneOf`` enforced as ``anyOf``) is marked ``GrammarSpec.end_check``. When
+such a request finishes, its text is validated with ``jsonschema`` (formats
+checked too: the calendar of a ``date`` is one of the weakened features)
+before it is returned. An output that breaks the schema is never ``ok``: it
+fails with ``output_schema_mismatch`` and the first violation, and the run
+summary counts it.
+
+The verdict depends only on the output text and the canonical schema, so
+every rank, and the one-process reference run, gives the same one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jsonschema
+
+from gramcoord.rank_worker.errors import ErrorCode
+
+# Compiled validators kept, by canonical schema text.
+_VALIDATORS = 256
+
+MISMATCH = ErrorCode.output_schema_mismatch.name
+
+
+@functools.lru_cache(maxsize=_VALIDATORS)
+def _validator(schema_text: str):
+    schema = json.loads(schema_text)
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError:
+        return None
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def end_check(schema_text: str, output: str) -> str | None:
+    """Why ``output`` breaks the schema ``schema_text``, or ``None`` when it holds.
+
+    A schema ``jsonschema`` cannot use (its own meta-schema refuses it)
+    cannot be checked: the output is let through and the admission warning
+    stands.
+    """
+    validator = _validator(schema_text)
+    if validator is None:
+        return None
+    try:
+        data = json.loads(output)
+    except ValueError as exc:
+        return f"the output is not JSON: {exc}"
+    error = next(iter(validator.iter_errors(data)), None)
+    if error is None:
+        return None
+    path = "$" + "".join(
+        f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in error.absolute_path
+    )
+    return f"the output breaks the schema at {path}: {error.message[:300]}"
