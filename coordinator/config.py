@@ -51,6 +51,11 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # Deadline of a whole run started by `gramcoord run`: past it the
     # launcher kills every rank (exit status 1).
     run_timeout_s: PositiveFloat = 3600.0
+    # Restarts of the whole group after a rank fails (launcher: torchrun,
+    # through torch's elastic agent). Each restart resumes from the output
+    # directory's journal: requests finished before the failure are kept,
+    # the rest run again. Injected faults act in the first attempt only.
+    max_restarts: Annotated[int, Meta(ge=0, le=100)] = 0
     # Ray cluster for `launcher: ray`: "local" starts a private one-node
     # instance; "auto" or "HOST:PORT" joins a running cluster.
     ray_address: str = "local"

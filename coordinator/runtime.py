@@ -145,9 +145,20 @@ class Runtime:
                 "the launcher must pick a free port"
             )
         init = datetime.timedelta(seconds=distributed.init_timeout_s)
+        # Under torch's elastic agent the store may be the agent's own, which
+        # outlives a restart of the group: every attempt keys its world under
+        # its own prefix, or it would meet the dead attempt's addresses.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(
-            distributed.master_addr, port, layout.world_size, is_master=rank == 0, timeout=init
+            distributed.master_addr,
+            port,
+            layout.world_size,
+            is_master=rank == 0 and not agent_store,
+            timeout=init,
         )
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None:
+            store = dist.PrefixStore(f"gramcoord/restart-{restart}/", store)
         dist.init_process_group(
             distributed.backend,
             store=store,

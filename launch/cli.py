@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a workload through the configured cluster")
     _add_config_args(run, positional=True)
+    run.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run in DIR: keep the requests its journal finished (same workload "
+        "and config, checked by fingerprint), run the rest, write one outputs.jsonl",
+    )
     verify = sub.add_parser(
         "verify", help="run the topology and the one-process reference, and compare them"
     )
@@ -176,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from gramcoord.launch.run import main_run, main_verify
 
+        if args.command == "run" and args.resume:
+            if args.out and Path(args.out) != Path(args.resume):
+                print("gramcoord: --resume DIR writes into DIR; drop --out", file=sys.stderr)
+                return 2
+            return main_run(config, workload, Path(args.resume), Console(), resume=True)
         out_dir = Path(args.out or config.output.dir)
         fn = main_run if args.command == "run" else main_verify
         return fn(config, workload, out_dir, Console())

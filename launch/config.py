@@ -67,6 +67,11 @@ class OutputConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # relative path is taken from the working directory (outputs go where
     # the command runs, wherever the config file is).
     dir: str = "runs/local"
+    # Seconds between fsyncs of the journal (journal/ in dir): each finished
+    # request's line is written as it finishes (it survives a kill of the
+    # process at once) and fsynced in the background this often (a machine
+    # crash loses at most that long); 0 fsyncs every line on the step.
+    fsync_s: Annotated[float, Meta(ge=0, le=60)] = 0.2
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

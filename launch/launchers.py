@@ -260,10 +260,13 @@ def launch_torchrun(
     rdzv_backend: str = "c10d",
     run_id: str = "gramcoord",
     log_dir: str | None = None,
+    max_restarts: int = 0,
 ) -> list[RankOutcome]:
     """Run ``nproc`` ranks on this node through torch's elastic launcher API.
 
-    This is ``torchrun`` in-process: ``elastic_launch`` with ``max_restarts=0``
+    This is ``torchrun`` in-process: ``elastic_launch`` with ``max_restarts``
+    (after a failed rank the agent restarts the whole group, which resumes
+    from the journal; ``TORCHELASTIC_RESTART_COUNT`` tells the ranks)
     and a c10d (or ``static``) rendezvous at ``rdzv_endpoint``, by default
     ``master_addr:master_port`` with a free port when ``master_port`` is 0.
     ``node_rank`` is this node's rank for the static rendezvous; for c10d it
@@ -306,7 +309,7 @@ def launch_torchrun(
         rdzv_backend=rdzv_backend,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_configs=rdzv_configs,
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=run_dir, redirects=Std.ALL if log_dir else Std.NONE),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
@@ -31,10 +32,19 @@ import msgspec
 from gramcoord.launch import stacks
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
 from gramcoord.launch.failures import backend_problem
+from gramcoord.launch.journal import (
+    JOURNAL,
+    PriorRun,
+    RankJournal,
+    config_fingerprint,
+    read_prior,
+    request_fingerprint,
+)
 from gramcoord.launch.progress import ProgressWriter, local_bar
 from gramcoord.launch.resources import ResourceProbe
 from gramcoord.launch.summary import Summary, digests_by_request, merge, write_run
 from gramcoord.launch.workload import stream_workload
+from gramcoord.rank_worker.config import FaultsConfig
 from gramcoord.rank_worker.engine.loop import RankReport, run_loop
 from gramcoord.rank_worker.engine.models import make_model
 from gramcoord.rank_worker.engine.requests import EngineRequest
@@ -59,6 +69,15 @@ class RankJob(msgspec.Struct, frozen=True, kw_only=True):
     # The launcher's progress channel (``gramcoord.launch.progress``); set by
     # ``gramcoord run``, which draws the bar itself.
     progress_dir: str = ""
+    # The journal attempt this launch starts at: 0 for a new run (its old
+    # journal is cleared), the number of earlier attempts for ``--resume``.
+    # An elastic restart adds TORCHELASTIC_RESTART_COUNT.
+    attempt: int = 0
+
+
+def restart_count() -> int:
+    """How often torch's elastic agent restarted this group (0 on the first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def load_requests(config: ClusterConfig, path: str) -> list[EngineRequest]:
@@ -204,16 +223,39 @@ def run_rank(job: RankJob) -> Summary | None:
 
 def _run_rank(job: RankJob, rank: int) -> Summary | None:
     t0 = time.perf_counter()
+    restarts = restart_count()
+    attempt = job.attempt + restarts
     config = job.config
+    if attempt > 0:  # injected faults act in the first attempt only
+        config = msgspec.structs.replace(config, faults=FaultsConfig())
     out_dir = Path(job.out_dir)
+    if attempt == 0 and rank == 0:
+        # A new run: an old journal here is not this run's. (Every other
+        # rank writes its journal only once rank 0 has joined the world.)
+        shutil.rmtree(out_dir / JOURNAL, ignore_errors=True)
     tokenizer = load_tokenizer(config.tokenizer)
-    requests = load_requests(config, job.workload)
+    workload = load_requests(config, job.workload)
+    prior = read_prior(out_dir, before=attempt) if attempt > 0 else PriorRun()
+    requests = [r for r in workload if r.request_id not in prior.outputs]
+    config_fp = config_fingerprint(config)
     model = make_model(config.model, tokenizer)
     sampler = Sampler(config.sampling)
     probe = ResourceProbe(rank)
     probe.start()
     session = _session(config, tokenizer, rank, job.run_id)
     ok, failure = False, None
+    c = session.layout.coords(session.rank)
+    journal = RankJournal(
+        out_dir,
+        attempt,
+        session.rank,
+        fsync_s=config.output.fsync_s,
+        fingerprints={r.request_id: request_fingerprint(config_fp, r) for r in requests}
+        if session.is_leader and c.pp == 0
+        else {},
+        outputs=session.is_leader and c.pp == 0,
+        digests=session.is_last_stage,
+    )
     try:
         logger.info("%s on host %s", session.layout.describe(session.rank), socket.gethostname())
         bar, progress = _progress(job, session.rank)
@@ -229,6 +271,8 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
                 per_step=config.workload.arrivals_per_step,
                 progress=progress,
                 on_step=probe.on_step,
+                on_output=journal.output,
+                on_request_end=journal.request_digests,
             )
             probe.end_of_loop(report.steps)
         finally:
@@ -247,6 +291,7 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
         failure = f"{type(exc).__name__}: {exc}"
         raise
     finally:
+        journal.close()
         session.close(drain=ok, reason=failure)
     probe.after_close(out_dir / "logs")
     if rank != 0:
@@ -254,12 +299,14 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
     reports = [msgspec.msgpack.decode(g, type=RankReport) for g in gathered]
     outputs, summary = merge(
         reports,
-        requests,
+        workload,
         replicated=config.parallel.requests == "replicated",
         wall_s=time.perf_counter() - t0,
         config=msgspec.to_builtins(config),
+        prior=prior,
     )
-    write_run(out_dir, outputs, summary, digests_by_request(reports))
+    summary.journal.update(attempt=attempt, restarts=restarts, ran=len(requests))
+    write_run(out_dir, outputs, summary, digests_by_request(reports, prior))
     return summary
 
 

@@ -30,6 +30,7 @@ from gramcoord.launch.failures import (
     brief_failure,
     write_failures,
 )
+from gramcoord.launch.journal import attempts
 from gramcoord.launch.launchers import RankOutcome, launch_inline, launch_torchrun
 from gramcoord.launch.procs import format_failures, patched_environ
 from gramcoord.launch.progress import watch_progress
@@ -71,7 +72,9 @@ def check_inputs(config: ClusterConfig, workload: str) -> str | None:
     return backend_problem(config)
 
 
-def launch(config: ClusterConfig, workload: str, out_dir: Path, *, progress: bool) -> RunResult:
+def launch(
+    config: ClusterConfig, workload: str, out_dir: Path, *, progress: bool, attempt: int = 0
+) -> RunResult:
     """Start every rank and wait for them; never raises for a failed rank.
 
     With ``progress`` the origin ranks report their counts to this process,
@@ -84,6 +87,7 @@ def launch(config: ClusterConfig, workload: str, out_dir: Path, *, progress: boo
         out_dir=str(out_dir),
         run_id=secrets.token_hex(4),
         progress=False,
+        attempt=attempt,
     )
     # Every rank process inherits it, so leftovers can be found (resources.py).
     with (
@@ -114,6 +118,7 @@ def _start(config: ClusterConfig, job: RankJob) -> list[RankOutcome]:
             master_addr=config.distributed.master_addr,
             master_port=config.distributed.master_port,
             log_dir=str(out_dir / "logs" / "torchrun"),
+            max_restarts=config.distributed.max_restarts,
         )
     else:
         from gramcoord.launch.ray_launcher import launch_ray
@@ -149,13 +154,35 @@ def _result(outcomes: list[RankOutcome], out_dir: Path) -> RunResult:
     return RunResult(exit_code=code, summary=summary, out_dir=str(out_dir))
 
 
-def main_run(config: ClusterConfig, workload: str, out_dir: Path, console: Console) -> int:
+def resume_attempt(config: ClusterConfig, workload: str, out_dir: Path) -> tuple[int, str | None]:
+    """The attempt a ``--resume`` of ``out_dir`` starts at, or why it cannot resume."""
+    from gramcoord.launch.journal import config_fingerprint, read_prior, resume_problem
+    from gramcoord.launch.rank_main import load_requests
+
+    if not attempts(out_dir):
+        return 0, f"nothing to resume: {out_dir} holds no journal (run it without --resume)"
+    prior = read_prior(out_dir)
+    problem = resume_problem(prior, load_requests(config, workload), config_fingerprint(config))
+    return prior.attempts, problem
+
+
+def main_run(
+    config: ClusterConfig,
+    workload: str,
+    out_dir: Path,
+    console: Console,
+    *,
+    resume: bool = False,
+) -> int:
     problem = check_inputs(config, workload)
+    attempt = 0
+    if problem is None and resume:
+        attempt, problem = resume_attempt(config, workload, out_dir)
     if problem:
-        console.print(f"gramcoord: {problem}")
+        console.print(f"gramcoord: {problem}", markup=False, highlight=False)
         return EXIT_CONFIG
     try:
-        result = launch(config, workload, out_dir, progress=True)
+        result = launch(config, workload, out_dir, progress=True, attempt=attempt)
     except KeyboardInterrupt:  # every rank is stopped by now
         console.print(INTERRUPTED.format(logs=out_dir / "logs"), markup=False, highlight=False)
         return EXIT_INTERRUPTED

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gramcoord.launch.journal import PriorRun
 from gramcoord.launch.validity import JsonChecker
 from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
 from gramcoord.rank_worker.engine.timings import Percentiles, percentiles
 
 if TYPE_CHECKING:  # the step loop imports torch; `gramcoord config` must not
     from gramcoord.rank_worker.engine.loop import RankReport
+    from gramcoord.rank_worker.session.digest import DigestRecord
 
 
 class Mismatch(msgspec.Struct, frozen=True):
@@ -57,6 +59,12 @@ class Summary(msgspec.Struct, kw_only=True):
     # at the end: how many, and how many broke the schema (failed with
     # output_schema_mismatch, never ok).
     end_checks: dict[str, int] = msgspec.field(default_factory=dict)
+    # Resumed and restarted runs: requests carried over from earlier
+    # attempts' journals, how many attempts came before, and journal lines
+    # dropped as torn or damaged (their requests ran again); rank 0 adds
+    # this attempt's number, the elastic restarts, and the requests this
+    # attempt ran (every request not carried over).
+    journal: dict[str, int] = msgspec.field(default_factory=dict)
     # Control frames the TP readers dropped (malformed, stale) and the
     # writers garbled on purpose (faults.corrupt_frames_every).
     transport: dict[str, int]
@@ -74,8 +82,13 @@ class Summary(msgspec.Struct, kw_only=True):
     resources: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-def _compare_digests(reports: Sequence[RankReport], det: Determinism) -> None:
+def _compare_digests(
+    reports: Sequence[RankReport], det: Determinism, prior: dict[int, list[DigestRecord]]
+) -> None:
     seen: dict[tuple[str, int], dict[int, int]] = defaultdict(dict)
+    for rank, rows in prior.items():  # earlier attempts of a resumed run
+        for d in rows:
+            seen[(d.request_id, d.position)][rank] = d.digest
     for rep in reports:
         for d in rep.digests:
             seen[(d.request_id, d.position)][rep.rank] = d.digest
@@ -128,14 +141,20 @@ def merge(
     replicated: bool,
     wall_s: float,
     config: dict[str, Any],
+    prior: PriorRun | None = None,
 ) -> tuple[list[OutputRecord], Summary]:
-    """Outputs in workload order, and the run's summary."""
+    """Outputs in workload order, and the run's summary.
+
+    ``prior`` is what earlier attempts of a resumed or restarted run
+    journaled: their outputs and digests count as this run's.
+    """
+    prior = prior or PriorRun()
     origins = [r for r in reports if r.coords[1] == 0 and r.coords[2] == 0]
     det = Determinism()
-    _compare_digests(reports, det)
+    _compare_digests(reports, det, prior.digests)
     if replicated and len(origins) > 1:
         _compare_replicas(origins, det)
-    by_id: dict[str, OutputRecord] = {}
+    by_id: dict[str, OutputRecord] = {rid: line.record for rid, line in prior.outputs.items()}
     for rep in origins if not replicated else origins[:1]:
         for o in rep.outputs:
             by_id.setdefault(o.id, o)
@@ -189,15 +208,27 @@ def merge(
         wall_s=round(wall_s, 3),
         config=config,
         loop_s=max((r.wall_s for r in reports), default=0.0),
+        journal={
+            "carried": len(prior.outputs),
+            "attempts_before": prior.attempts,
+            "dropped_lines": prior.dropped,
+        },
     )
     return outputs, summary
 
 
-def digests_by_request(reports: Sequence[RankReport]) -> dict[str, list[tuple[int, int]]]:
+def digests_by_request(
+    reports: Sequence[RankReport], prior: PriorRun | None = None
+) -> dict[str, list[tuple[int, int]]]:
     """One rank's view of every committed row (the lowest rank that has it)."""
     rows: dict[tuple[str, int], int] = {}
-    for rep in sorted(reports, key=lambda r: r.rank):
-        for d in rep.digests:
+    by_rank: dict[int, list[DigestRecord]] = defaultdict(list)
+    for rank, records in (prior.digests if prior else {}).items():
+        by_rank[rank].extend(records)
+    for rep in reports:
+        by_rank[rep.rank].extend(rep.digests)
+    for rank in sorted(by_rank):
+        for d in by_rank[rank]:
             rows.setdefault((d.request_id, d.position), d.digest)
     out: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for (rid, pos), digest in sorted(rows.items()):

@@ -76,8 +76,10 @@ class LastStage:
         timings: Timings,
         *,
         make_drafter: Callable[[ModelRequest], object | None] | None = None,
+        on_request_end: Callable[[str, list[tuple[int, int]]], None] | None = None,
     ) -> None:
         self.session = session
+        self._on_end = on_request_end
         self.leader = session.is_leader
         if self.leader:
             self._stage = session.leader
@@ -131,7 +133,8 @@ class LastStage:
                     self.rows.truncate(s.request_id, len(v.out))
                 v.out.extend(s.new_tokens)
         for rid in frame.finished:
-            self.views.pop(rid, None)
+            if self.views.pop(rid, None) is not None and not self.leader:
+                self._ended(rid)
         if self.leader:
             return self._leader_step(frame)
         self._worker_step(frame)
@@ -278,14 +281,19 @@ class LastStage:
     def _drop(self, rid: str) -> None:
         self.views.pop(rid, None)
         self._stage.finish(rid)
+        self._ended(rid)
+
+    def _ended(self, rid: str) -> None:
+        """A request left this rank: its committed rows go to the journal."""
+        if self._on_end is not None:
+            self._on_end(rid, self.rows.digests.rows_of(rid))
 
     def _accept(self, rid, drafts, picks, row_digests, masks: MaskBatch) -> TokenResult:
-        stage, roles, v = self._stage, self._masks, self.views[rid]
+        roles, v = self._masks, self.views[rid]
         before = list(v.out)
         if rid in masks.failures:
             err = masks.failures[rid]
-            stage.finish(rid)
-            self.views.pop(rid)
+            self._drop(rid)
             return TokenResult(
                 rid,
                 0,

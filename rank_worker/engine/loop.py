@@ -80,6 +80,8 @@ def run_loop(
     per_step: int = 0,
     progress: Progress | None = None,
     on_step: Callable[[int], None] | None = None,
+    on_output: Callable[[OutputRecord], None] | None = None,
+    on_request_end: Callable[[str, list[tuple[int, int]]], None] | None = None,
 ) -> RankReport:
     """Run this rank's part of every step until the run is done.
 
@@ -94,6 +96,11 @@ def run_loop(
     on_step:
         Called with the step number as each step starts, on every rank
         (resource sampling).
+    on_output:
+        Origin ranks: each request's record as it ends (the journal).
+    on_request_end:
+        Last-stage ranks: ``(request, [(position, digest), ...])`` as each
+        request leaves the rank (the journal).
 
     Raises
     ------
@@ -115,6 +122,7 @@ def run_loop(
             make_drafter=(lambda req: make_drafter(speculative, tokenizer, req))
             if session.is_leader
             else None,
+            on_request_end=on_request_end,
         )
     origin = None
     if session.is_leader and c.pp == 0:
@@ -127,6 +135,7 @@ def run_loop(
             session.leader.submit,
             max_num_seqs=session.config.scheduler.max_num_seqs,
             per_step=per_step,
+            on_output=on_output,
         )
     route = layout.step_route(rank)
     link = session.link

@@ -72,6 +72,8 @@ class Origin:
         Batch size limit.
     per_step:
         Arrivals per step; 0 means every request arrives at step 0.
+    on_output:
+        Called with each request's record as it ends (the run's journal).
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class Origin:
         *,
         max_num_seqs: int,
         per_step: int = 0,
+        on_output: Callable[[OutputRecord], None] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self._on_output = on_output
         self._submit = submit
         self.max_num_seqs = max_num_seqs
         self._queue = list(requests)
@@ -125,21 +129,24 @@ class Origin:
             )
             return
         if req.error is not None:
-            self.outputs[rid] = failed_record(rid, "record_invalid", req.error)
+            self._done(failed_record(rid, "record_invalid", req.error))
             return
         try:
             rid.encode("utf-8")
         except UnicodeEncodeError:
             # The record itself must be encodable: escape the id.
             safe = rid.encode("utf-8", "backslashreplace").decode("utf-8")
-            self.outputs[rid] = failed_record(
-                safe, "bad_request_id", "request id does not encode as UTF-8 (lone surrogate)"
+            self._done(
+                failed_record(
+                    safe, "bad_request_id", "request id does not encode as UTF-8 (lone surrogate)"
+                ),
+                key=rid,
             )
             return
         try:
             prompt_ids = tuple(self.tokenizer.encode(req.prompt)) if req.prompt else ()
         except (ValueError, UnicodeError) as exc:  # e.g. lone surrogates
-            self.outputs[rid] = failed_record(rid, "record_invalid", f"prompt not encodable: {exc}")
+            self._done(failed_record(rid, "record_invalid", f"prompt not encodable: {exc}"))
             return
         if not req.constrained:
             self._running[rid] = _Running(req, prompt_ids, None)
@@ -148,16 +155,18 @@ class Origin:
             spec_json = json.dumps(req.spec, ensure_ascii=False)
             spec_json.encode("utf-8")
         except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
-            self.outputs[rid] = failed_record(rid, "spec_bad_json", f"spec is not JSON: {exc}")
+            self._done(failed_record(rid, "spec_bad_json", f"spec is not JSON: {exc}"))
             return
         outcome = self._submit(rid, req.spec, max_tokens=req.max_tokens)
         if outcome.status == "failed":
-            self.outputs[rid] = failed_record(
-                rid,
-                outcome.code or "failed",
-                outcome.message,
-                outcome.warnings,
-                cache=outcome.cache,
+            self._done(
+                failed_record(
+                    rid,
+                    outcome.code or "failed",
+                    outcome.message,
+                    outcome.warnings,
+                    cache=outcome.cache,
+                )
             )
         else:
             self._pending[rid] = _Running(req, prompt_ids, outcome)
@@ -172,13 +181,15 @@ class Origin:
             self._running[o.request_id] = r
         for o in failed:
             self._pending.pop(o.request_id, None)
-            self.outputs[o.request_id] = failed_record(
-                o.request_id,
-                o.code or "failed",
-                o.message,
-                o.warnings,
-                cache=o.cache,
-                compile_ms=o.compile_ms,
+            self._done(
+                failed_record(
+                    o.request_id,
+                    o.code or "failed",
+                    o.message,
+                    o.warnings,
+                    cache=o.cache,
+                    compile_ms=o.compile_ms,
+                )
             )
 
     # -- batches ------------------------------------------------------------
@@ -247,15 +258,27 @@ class Origin:
             facts["end_check"] = "passed" if why is None else "failed"
             if why is not None:  # never "ok": the grammar let it through, the schema does not
                 error = ErrorInfo(MISMATCH, why)
-        self.outputs[rid] = OutputRecord(
-            id=rid,
-            status="failed" if error else "ok",
-            finish_reason=res.finish_reason,
-            text=text,
-            token_ids=list(r.out),
-            error=error,
-            **facts,
+        self._done(
+            OutputRecord(
+                id=rid,
+                status="failed" if error else "ok",
+                finish_reason=res.finish_reason,
+                text=text,
+                token_ids=list(r.out),
+                error=error,
+                **facts,
+            )
         )
+
+    def _done(self, record: OutputRecord, *, key: str | None = None) -> None:
+        """A request ended: keep its record and hand it to the journal.
+
+        A record filed under another ``key`` (an id that is not valid
+        Unicode, escaped) is not journaled: a resumed run fails it again.
+        """
+        self.outputs[record.id if key is None else key] = record
+        if self._on_output is not None and key is None:
+            self._on_output(record)
 
     @property
     def num_finished(self) -> int:

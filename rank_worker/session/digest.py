@@ -37,22 +37,27 @@ class DigestRecord(msgspec.Struct, frozen=True, array_like=True):
 
 
 class MaskDigests:
-    """The digests one rank recorded, in the order it applied them."""
+    """The digests one rank recorded, per request in the order it applied them."""
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[str, int], int] = {}
+        # request id -> position -> digest.
+        self._rows: dict[str, dict[int, int]] = {}
+        self._count = 0
         self.self_mismatches: list[tuple[str, int]] = []
         self.steps = 0
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._count
 
     def record(self, request_id: str, position: int, digest: int) -> None:
         """Keep the first digest of ``(request_id, position)``; count a different one."""
-        key = (request_id, position)
-        old = self._rows.setdefault(key, digest)
-        if old != digest:
-            self.self_mismatches.append(key)
+        rows = self._rows.setdefault(request_id, {})
+        old = rows.get(position)
+        if old is None:
+            rows[position] = digest
+            self._count += 1
+        elif old != digest:
+            self.self_mismatches.append((request_id, position))
 
     def truncate(self, request_id: str, length: int) -> None:
         """Forget ``request_id``'s rows at positions ``>= length``.
@@ -60,12 +65,18 @@ class MaskDigests:
         Called when retokenization replaced output tokens: those positions
         are masked again from the new tokens, on every rank alike.
         """
-        for key in [k for k in self._rows if k[0] == request_id and k[1] >= length]:
-            del self._rows[key]
+        rows = self._rows.get(request_id, {})
+        for pos in [p for p in rows if p >= length]:
+            del rows[pos]
+            self._count -= 1
+
+    def rows_of(self, request_id: str) -> list[tuple[int, int]]:
+        """``(position, digest)`` of every row of ``request_id``, by position."""
+        return sorted(self._rows.get(request_id, {}).items())
 
     def records(self) -> list[DigestRecord]:
-        """Every recorded row, in the order first applied."""
-        return [DigestRecord(r, p, d) for (r, p), d in self._rows.items()]
+        """Every recorded row, request by request in the order first applied."""
+        return [DigestRecord(r, p, d) for r, rows in self._rows.items() for p, d in rows.items()]
 
     @staticmethod
     def index(records: Iterable[DigestRecord]) -> dict[tuple[str, int], int]:

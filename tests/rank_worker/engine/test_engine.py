@@ -707,7 +707,7 @@ def test_merge_summary_counts_and_json_validity():
         EngineRequest(request_id="free", constrained=False),
     ]
     outs = [
-        _record("valid", text='{"n": 1}', cache="miss", compile_ms=3.0),
+        _record("valid", text='{"n": 1}', cache="miss", compile_ms=3.0, end_check="passed"),
         _record("wrong", text='{"n": "one"}', cache="hit"),
         _record("garbled", text='{"n": ', finish_reason="length"),
         _record("any", text="[1]"),
@@ -735,6 +735,17 @@ def test_merge_summary_counts_and_json_validity():
     assert summary.latency_ms["agreement"].count == 2
     assert summary.latency_ms["compile"].count == 1
     assert (summary.steps, summary.wall_s, summary.config) == (4, 2.5, {"k": 1})
+    assert summary.end_checks == {"checked": 1, "failed": 0}
+    outs[0] = _record(
+        "valid",
+        status="failed",
+        end_check="failed",
+        error=ErrorInfo("output_schema_mismatch", "the output breaks the schema at $"),
+    )
+    reports = [_report(0, (0, 0, 0), outputs=outs, stats=stats)]
+    _, again = merge(reports, reqs, replicated=False, wall_s=2.5, config={})
+    assert again.end_checks == {"checked": 1, "failed": 1}
+    assert again.requests["by_error"]["output_schema_mismatch"] == 1
 
 
 def test_json_checker_counts():
