@@ -38,7 +38,7 @@ from gramcoord.rank_worker.engine.models import SyntheticModel
 from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_threads
-from gramcoord.rank_worker.session import RankSession, SessionConfig
+from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
 STRATEGIES = ("default", "batch1", "batch2", "pool")
 # Matchers per chunk of the pool strategy (as vLLM's fill pool and bench fill).

@@ -58,7 +58,7 @@ def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dic
     from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
     from gramcoord.rank_worker.engine.sampler import Sampler
     from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
-    from gramcoord.rank_worker.session import RankSession, SessionConfig
+    from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
     tok = load_tokenizer()
     reqs = {rid: (spec, ref) for rid, spec, ref in _requests(limit)}

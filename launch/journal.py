@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from gramcoord.coordinator.status import PoisonRecord
 from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
 from gramcoord.rank_worker.session.digest import DigestRecord
 
@@ -257,6 +258,33 @@ def resume_problem(
     return None
 
 
+def carried_poison(
+    prior: PriorRun, requests: Sequence[EngineRequest], grammar: Any, vocab: str
+) -> list[PoisonRecord]:
+    """Poison records for the keys earlier attempts found invalid (permanent).
+
+    Timeouts are not carried: they expire, and the next attempt may compile
+    in time. Keys come from the requests' specs, validated as admission does.
+    """
+    from gramcoord.rank_worker.errors import ErrorCode, SpecError
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+
+    specs = {r.request_id: r.spec for r in requests}
+    out, seen = [], set()
+    for rid, line in prior.outputs.items():
+        err = line.record.error
+        if err is None or err.code != ErrorCode.grammar_invalid.name or rid not in specs:
+            continue
+        try:
+            key = validate_spec(specs[rid], grammar, vocab=vocab).key
+        except SpecError:
+            continue
+        if key not in seen:
+            seen.add(key)
+            out.append(PoisonRecord(key, int(ErrorCode.grammar_invalid), 0))
+    return out
+
+
 # -- writers for the step loop --------------------------------------------------------
 
 
@@ -297,6 +325,11 @@ class RankJournal:
         """A request ended on this last-stage rank: the digests of its rows."""
         if self._dig is not None and rows:
             self._dig.append(_encoder.encode(DigestLine(request_id, rows)))
+
+    @property
+    def lines(self) -> int:
+        """Lines written so far, outputs and digests."""
+        return sum(w.lines for w in (self._out, self._dig) if w is not None)
 
     def close(self) -> None:
         for w in (self._out, self._dig):

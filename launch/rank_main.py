@@ -36,6 +36,7 @@ from gramcoord.launch.journal import (
     JOURNAL,
     PriorRun,
     RankJournal,
+    carried_poison,
     config_fingerprint,
     read_prior,
     request_fingerprint,
@@ -256,6 +257,8 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
         outputs=session.is_leader and c.pp == 0,
         digests=session.is_last_stage,
     )
+    if session.has("leader") and prior.outputs:
+        session.leader.carry_poison(carried_poison(prior, workload, config.grammar, tokenizer.name))
     try:
         logger.info("%s on host %s", session.layout.describe(session.rank), socket.gethostname())
         bar, progress = _progress(job, session.rank)

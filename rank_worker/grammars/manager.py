@@ -400,7 +400,7 @@ class GrammarManager:
         for r in records:
             kind = _POISON_KIND.get(r.reason)
             if kind is not None:
-                msg = f"{ErrorCode.name_of(r.reason)} (shared by a data-parallel peer)"
+                msg = f"{ErrorCode.name_of(r.reason)} (on another replica, or an earlier attempt)"
                 self.poison.poison(r.key, kind, r.reason, msg, r.clock_ms)
 
     # -- running requests ---------------------------------------------------

@@ -153,6 +153,22 @@ def _check_size(text: str, config: GrammarConfig, field: str) -> None:
 
 
 def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[str, list[str]]:
+    """A JSON schema's path to its grammar text, one pass after another.
+
+    1. **parse** (``_load_json_value``) and size it;
+    2. **one walk** (``schema_lint.walk_schema``): canonical form, the lint
+       of features xgrammar would not enforce, and the rewrites into what it
+       enforces exactly (integral-float counts, enum / const values filtered
+       by the keywords beside them);
+    3. **reach** (``schema_reach``): ``required`` names and ``oneOf``
+       branches as xgrammar's converter reaches them, with this request's
+       ``strict_mode``;
+    4. **verdict**: refuse, or admit with warnings (the end check then
+       validates the output, ``GrammarSpec.end_check``);
+    5. the canonical text is what the compile service compiles and keys.
+
+    A new rule belongs to exactly one of these passes.
+    """
     schema = _load_json_value(value, "json", config)
     if not isinstance(value, str):
         # A schema given as an object is sized before the walk too: a hostile

@@ -1,28 +1,7 @@
-"""The per-rank session: submit, step, bitmask, apply, advance, and the TP-side reader.
+"""The per-rank session: one attach (``session.RankSession``) and its role objects.
 
-``RankSession`` is the one object a rank drives (gramcoord's own step loop,
-or an engine that embeds it); ``MaskReader`` is its TP-worker side.
+``leader.StageLeader``, ``masks.StageMasks``, ``reader.MaskReader``,
+``followers.TpFollower`` and ``reader.FollowerRows``; ``roles`` says which
+rank holds which. Nothing is imported here, so that a module that needs
+only ``digest`` (the run's journal) does not pull in torch.
 """
-
-from gramcoord.rank_worker.session.reader import MaskReader, ReceivedMask
-from gramcoord.rank_worker.session.session import RankSession
-from gramcoord.rank_worker.session.types import (
-    MaskBatch,
-    SessionConfig,
-    SessionStats,
-    StaleGrammarState,
-    StepOutcome,
-    VocabularyMismatch,
-)
-
-__all__ = [
-    "MaskBatch",
-    "MaskReader",
-    "RankSession",
-    "ReceivedMask",
-    "SessionConfig",
-    "SessionStats",
-    "StaleGrammarState",
-    "StepOutcome",
-    "VocabularyMismatch",
-]

@@ -31,6 +31,7 @@ from gramcoord.coordinator.coordinator import Coordinator
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.poison_share import PoisonShare
+from gramcoord.coordinator.status import PoisonRecord
 from gramcoord.rank_worker.grammars.manager import GrammarManager, stage_wait_s
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.session.followers import FollowerNote, decided, encode_note
@@ -237,6 +238,15 @@ class StageLeader:
         data = encode_note(note)
         for r in ranks:
             link.send(r, data, operation="follower note", step=step)
+
+    def carry_poison(self, records: list[PoisonRecord]) -> None:
+        """Poison keys an earlier attempt of this run found invalid (before step 0).
+
+        Every stage leader of the world calls it with the same records (a
+        restarted or resumed run reads them from its journal), so the caches
+        stay identical; a bad schema is not compiled again after a restart.
+        """
+        self._manager.apply_poison(records)
 
     # -- across replicas ----------------------------------------------------------
 

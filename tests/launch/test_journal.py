@@ -109,3 +109,25 @@ def test_an_output_line_is_one_json_object(tmp_path):
     (line,) = (tmp_path / "journal" / "attempt-0" / "outputs-rank3.jsonl").read_bytes().splitlines()
     got = msgspec.json.decode(line[9:], type=OutputLine)
     assert got.fp == "f" and got.record.id == "a"
+
+
+def test_an_invalid_key_is_carried_into_the_next_attempt_and_a_timeout_is_not(tmp_path):
+    from gramcoord.launch.journal import carried_poison
+    from gramcoord.rank_worker.config import GrammarConfig
+    from gramcoord.rank_worker.engine.requests import ErrorInfo
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+
+    bad = {"regex": "(a"}
+    reqs = [
+        EngineRequest(request_id="bad", spec=bad),
+        EngineRequest(request_id="slow", spec={"regex": "b+"}),
+    ]
+    j = RankJournal(tmp_path, 0, 0, fsync_s=0, fingerprints={}, outputs=True, digests=False)
+    for rid, code in (("bad", "grammar_invalid"), ("slow", "grammar_timeout")):
+        j.output(
+            OutputRecord(id=rid, status="failed", finish_reason="error", error=ErrorInfo(code, "m"))
+        )
+    j.close()
+    (record,) = carried_poison(read_prior(tmp_path), reqs, GrammarConfig(), "tiny")
+    assert record.key == validate_spec(bad, GrammarConfig(), vocab="tiny").key
+    assert record.reason == 20  # grammar_invalid: permanent

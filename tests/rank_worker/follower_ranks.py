@@ -11,7 +11,7 @@ from gramcoord.rank_worker.config import GrammarConfig, SamplingConfig, Schedule
 from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
-from gramcoord.rank_worker.session import RankSession, SessionConfig
+from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workload.jsonl"
 

@@ -6,7 +6,7 @@ import time
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.session import RankSession, SessionConfig
+from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 from tests.conftest import make_tiny_tokenizer
 
 BAD = {"grammar": "root ::= undefined_rule"}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
-from gramcoord.rank_worker.session import RankSession, SessionConfig, VocabularyMismatch
+from gramcoord.rank_worker.session.session import RankSession, SessionConfig, VocabularyMismatch
 from tests.conftest import make_tiny_tokenizer
 
 

@@ -534,7 +534,7 @@ def test_tp_reader_applies_what_the_leader_applied(tiny_tokenizer, run_id):
 
 def test_request_state_follows_the_lifecycle(tiny_tokenizer):
     from gramcoord.rank_worker.config import GrammarConfig, SchedulerConfig
-    from gramcoord.rank_worker.session import SessionConfig
+    from gramcoord.rank_worker.session.session import SessionConfig
 
     config = SessionConfig(
         grammar=GrammarConfig(max_pending=1, compile_mode="sync"),
@@ -560,7 +560,7 @@ def test_request_state_follows_the_lifecycle(tiny_tokenizer):
 
 def test_bitmask_copy_outlives_the_next_build(tiny_tokenizer):
     from gramcoord.rank_worker.config import GrammarConfig
-    from gramcoord.rank_worker.session import SessionConfig
+    from gramcoord.rank_worker.session.session import SessionConfig
 
     session = RankSession.local(
         tiny_tokenizer, SessionConfig(grammar=GrammarConfig(compile_mode="sync"))
