@@ -52,14 +52,11 @@ from gramcoord.rank_worker.grammars.outcome import (
     refuse_id,
     refuse_seq,
 )
-from gramcoord.rank_worker.grammars.shortest import min_output_bytes, min_tokens
+from gramcoord.rank_worker.grammars.shortest import ShortestBound
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-# Shortest-output bounds kept, by grammar key.
-_SHORTEST_KEPT = 4096
 
 # The follower wait is capped at this share of the step timeout (see
 # ``stage_wait_s``).
@@ -141,8 +138,7 @@ class GrammarManager:
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
         self.stats = ManagerStats()
-        # Shortest-output bounds in tokens, by key (``_min_tokens``).
-        self._shortest: dict[bytes, int] = {}
+        self._shortest = ShortestBound(tokenizer.max_token_bytes)
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
 
@@ -197,19 +193,10 @@ class GrammarManager:
                 message=exc.message,
             )
         entry = _Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
-        if max_tokens is not None:
-            need = self._min_tokens(gspec)
-            if need > max_tokens:
-                return self._outcome(
-                    entry,
-                    "failed",
-                    code=ErrorCode.grammar_unreachable_end.name,
-                    message=(
-                        f"the grammar's shortest output needs at least {need} tokens (of at "
-                        f"most {self.tokenizer.max_token_bytes} bytes each); max_tokens is "
-                        f"{max_tokens}: raise max_tokens or loosen the length bounds"
-                    ),
-                )
+        why = self._shortest.refusal(gspec, max_tokens) if max_tokens is not None else None
+        if why is not None:
+            code = ErrorCode.grammar_unreachable_end.name
+            return self._outcome(entry, "failed", code=code, message=why)
         poisoned = self._poisoned_outcome(entry)
         if poisoned is not None:
             return poisoned
@@ -219,17 +206,6 @@ class GrammarManager:
             return self._outcome(entry, "waiting")
         self._enter_window(entry)
         return self._outcome(entry, "pending")
-
-    def _min_tokens(self, gspec: GrammarSpec) -> int:
-        need = self._shortest.get(gspec.key)
-        if need is None:
-            need = min_tokens(
-                min_output_bytes(gspec.kind, gspec.text), self.tokenizer.max_token_bytes
-            )
-            if len(self._shortest) >= _SHORTEST_KEPT:
-                self._shortest.pop(next(iter(self._shortest)))
-            self._shortest[gspec.key] = need
-        return need
 
     def _poisoned_outcome(self, entry: _Entry) -> Outcome | None:
         hit = self.poison.get(entry.spec.key, self.agreed_ms)

@@ -135,3 +135,36 @@ def min_tokens(min_bytes: int, max_token_bytes: int) -> int:
     if min_bytes <= 0:
         return 0
     return -(-min_bytes // max(1, max_token_bytes))
+
+
+# Bounds kept, by grammar key.
+_KEPT = 4096
+
+
+class ShortestBound:
+    """The unreachable-end check of one vocabulary, memoized by grammar key."""
+
+    def __init__(self, max_token_bytes: int) -> None:
+        self.max_token_bytes = max_token_bytes
+        self._tokens: dict[bytes, int] = {}
+
+    def tokens(self, kind: str, text: str, key: bytes) -> int:
+        """Tokens the grammar's shortest output needs at the least."""
+        need = self._tokens.get(key)
+        if need is None:
+            need = min_tokens(min_output_bytes(kind, text), self.max_token_bytes)
+            if len(self._tokens) >= _KEPT:
+                self._tokens.pop(next(iter(self._tokens)))
+            self._tokens[key] = need
+        return need
+
+    def refusal(self, gspec: Any, max_tokens: int) -> str | None:
+        """Why ``gspec`` cannot end within ``max_tokens`` tokens, or None."""
+        need = self.tokens(gspec.kind, gspec.text, gspec.key)
+        if need <= max_tokens:
+            return None
+        return (
+            f"the grammar's shortest output needs at least {need} tokens (of at most "
+            f"{self.max_token_bytes} bytes each); max_tokens is {max_tokens}: raise "
+            "max_tokens or loosen the length bounds"
+        )
