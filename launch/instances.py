@@ -34,7 +34,6 @@ printed beside ours.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gramcoord.launch.config import ClusterConfig
+from gramcoord.launch.instance_forms import searching, serializations, unescaped
 from gramcoord.rank_worker.errors import SpecError
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
 from gramcoord.rank_worker.grammars.end_check import end_check
@@ -89,91 +89,6 @@ class InstanceReport(msgspec.Struct, kw_only=True):
     # instance, and that reject a valid one.
     xgrammar: dict[str, int] = msgspec.field(default_factory=dict)
     wall_s: float = 0.0
-
-
-def serializations(schema: Any, data: Any) -> list[str]:
-    """The texts our grammar could have written for ``data``, most likely first."""
-    ordered = json.dumps(_in_schema_order(schema, data, schema, 0), ensure_ascii=False)
-    plain = json.dumps(data, ensure_ascii=False)
-    return [ordered] if ordered == plain else [ordered, plain]
-
-
-def _resolve(schema: Any, root: Any, depth: int) -> Any:
-    seen = 0
-    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and seen < 32:
-        ref = schema["$ref"]
-        if not ref.startswith("#"):
-            return schema
-        node: Any = root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is None:
-            return schema
-        schema, seen = node, seen + 1
-    return schema
-
-
-def _branches(schema: dict) -> list[dict]:
-    out = [schema]
-    for key in ("allOf", "anyOf", "oneOf"):
-        for b in schema.get(key) or ():
-            if isinstance(b, dict):
-                out.append(b)
-    return out
-
-
-def _in_schema_order(schema: Any, data: Any, root: Any, depth: int) -> Any:
-    """``data`` with every object's keys in its schema's ``properties`` order."""
-    schema = _resolve(schema, root, depth)
-    if depth > 64 or not isinstance(schema, dict):
-        return data
-    branches = [_resolve(b, root, depth) for b in _branches(schema)]
-    branches = [b for b in branches if isinstance(b, dict)]
-    if isinstance(data, dict):
-        order: list[str] = []
-        sub: dict[str, Any] = {}
-        for b in branches:
-            props = b.get("properties")
-            if isinstance(props, dict):
-                for k, s in props.items():
-                    if k not in sub:
-                        order.append(k)
-                        sub[k] = s
-        extra = next(
-            (
-                b["additionalProperties"]
-                for b in branches
-                if isinstance(b.get("additionalProperties"), dict)
-            ),
-            {},
-        )
-        keys = [k for k in order if k in data] + [k for k in data if k not in sub]
-        return {k: _in_schema_order(sub.get(k, extra), data[k], root, depth + 1) for k in keys}
-    if isinstance(data, list):
-        items = next((b["items"] for b in branches if isinstance(b.get("items"), dict)), {})
-        prefix = next(
-            (b["prefixItems"] for b in branches if isinstance(b.get("prefixItems"), list)), []
-        )
-        return [
-            _in_schema_order(prefix[i] if i < len(prefix) else items, v, root, depth + 1)
-            for i, v in enumerate(data)
-        ]
-    return data
-
-
-_ESCAPED = re.compile(r'["\\\x00-\x1f]')
-
-
-def _unescaped(data: Any) -> Any:
-    """``data`` with every character JSON must escape replaced by ``_`` (same lengths)."""
-    if isinstance(data, str):
-        return _ESCAPED.sub("_", data)
-    if isinstance(data, list):
-        return [_unescaped(v) for v in data]
-    if isinstance(data, dict):
-        return {k: _unescaped(v) for k, v in data.items()}
-    return data
 
 
 def _accepts(compiled: xgr.CompiledGrammar, texts: list[str]) -> str | None:
@@ -272,7 +187,10 @@ class InstanceChecker:
         ``xgrammar_bounded_string_escapes`` when the same instance with its
         escaped characters replaced is accepted (xgrammar 0.2.9 allows no
         escape sequence in a string with ``minLength`` / ``maxLength``);
-        else ``defect``.
+        ``xgrammar_anchors_patterns`` when it is accepted once every
+        ``pattern`` / ``patternProperties`` regex is made a search
+        (xgrammar matches the whole string, JSON Schema searches; gramcoord
+        keeps the host's semantics); else ``defect``.
         """
         if self.grammar.strict_mode:
             try:
@@ -283,9 +201,19 @@ class InstanceChecker:
                     return "strict_mode"
             except (SpecError, RuntimeError, ValueError):
                 pass
-        plain = _unescaped(data)
+        plain = unescaped(data)
         if plain != data and _accepts(compiled, serializations(schema, plain)) is not None:
             return "xgrammar_bounded_string_escapes"
+        searching_schema = searching(schema)
+        if searching_schema != schema:
+            try:
+                spec = validate_spec(
+                    {"json": searching_schema}, self.grammar, vocab=self.tokenizer.name
+                )
+                if _accepts(self._lax(spec), texts) is not None:
+                    return "xgrammar_anchors_patterns"
+            except (SpecError, RuntimeError, ValueError):
+                pass
         return "defect"
 
 

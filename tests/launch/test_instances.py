@@ -17,7 +17,8 @@ import pytest
 
 from gramcoord.launch.cli import main
 from gramcoord.launch.config import load_config
-from gramcoord.launch.instances import run_instances, serializations
+from gramcoord.launch.instance_forms import serializations
+from gramcoord.launch.instances import run_instances
 
 AB = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 RECORDS = [
@@ -135,6 +136,29 @@ def test_a_bounded_string_that_needs_an_escape_is_over_constrained_by_xgrammar(
     assert line["verdict"] == "over_constrained"
     assert line["over_reasons"] == ["xgrammar_bounded_string_escapes"]
     assert line["valid_accepted"] == 1
+
+
+def test_a_key_a_pattern_finds_but_does_not_match_whole_is_over_constrained_by_xgrammar(
+    tmp_path, tiny_tokenizer
+):
+    # JSON Schema's patterns search; xgrammar's match the whole string, so
+    # the valid key "ab1" (it contains "ab") is refused. gramcoord keeps the
+    # host's semantics and the report names the cause.
+    rec = {
+        "id": "anchored",
+        "schema": {
+            "type": "object",
+            "patternProperties": {"[a-z]+": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        "instances": [{"valid": True, "data": {"ab1": 1}}, {"valid": True, "data": {"ab": 1}}],
+    }
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    out = io.BytesIO()
+    run_instances(load_config(), path, out, tokenizer=tiny_tokenizer)
+    (line,) = map(json.loads, out.getvalue().splitlines())
+    assert line["over_reasons"] == ["xgrammar_anchors_patterns"]
 
 
 def test_serializations_put_properties_in_the_schema_order():
