@@ -72,6 +72,9 @@ class OutputConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # process at once) and fsynced in the background this often (a machine
     # crash loses at most that long); 0 fsyncs every line on the step.
     fsync_s: Annotated[float, Meta(ge=0, le=60)] = 0.2
+    # Write the journal at all. false: outputs.jsonl only at the end, and
+    # nothing for --resume or distributed.max_restarts to resume from.
+    journal: bool = True
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -108,6 +111,15 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ValueError(
                 "distributed.poison_exchange 'host' is for engines that call "
                 "exchange_poison() at their own sync points; gramcoord's step loop needs 'step'"
+            )
+        if self.distributed.max_restarts and not self.output.journal:
+            raise ValueError(
+                "distributed.max_restarts resumes from the journal; it needs output.journal true"
+            )
+        if self.distributed.max_restarts and self.launcher != "torchrun":
+            raise ValueError(
+                f"distributed.max_restarts restarts through torch's elastic agent; launcher "
+                f"{self.launcher!r} does not restart (use torchrun, or --resume after a failure)"
             )
         if self.launcher == "inline" and world != 1:
             raise ValueError(

@@ -140,10 +140,14 @@ class JournalWriter:
             self._sync()
 
     def _sync(self) -> None:
+        # The fsync runs outside the lock: a line appended meanwhile never
+        # waits for the disk (it is synced by the next round).
         with self._lock:
-            if self._dirty and self._fd >= 0:
-                os.fsync(self._fd)
-                self._dirty = False
+            if not self._dirty or self._fd < 0:
+                return
+            self._dirty = False
+            fd = self._fd
+        os.fsync(fd)
 
     def close(self) -> None:
         """Stop the fsync thread, fsync what is left, close the file."""

@@ -254,8 +254,8 @@ def _run_rank(job: RankJob, rank: int) -> Summary | None:
         fingerprints={r.request_id: request_fingerprint(config_fp, r) for r in requests}
         if session.is_leader and c.pp == 0
         else {},
-        outputs=session.is_leader and c.pp == 0,
-        digests=session.is_last_stage,
+        outputs=config.output.journal and session.is_leader and c.pp == 0,
+        digests=config.output.journal and session.is_last_stage,
     )
     if session.has("leader") and prior.outputs:
         session.leader.carry_poison(carried_poison(prior, workload, config.grammar, tokenizer.name))

@@ -159,6 +159,8 @@ def resume_attempt(config: ClusterConfig, workload: str, out_dir: Path) -> tuple
     from gramcoord.launch.journal import config_fingerprint, read_prior, resume_problem
     from gramcoord.launch.rank_main import load_requests
 
+    if not config.output.journal:
+        return 0, "--resume reads the journal, and output.journal is false"
     if not attempts(out_dir):
         return 0, f"nothing to resume: {out_dir} holds no journal (run it without --resume)"
     prior = read_prior(out_dir)

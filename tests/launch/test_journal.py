@@ -131,3 +131,17 @@ def test_an_invalid_key_is_carried_into_the_next_attempt_and_a_timeout_is_not(tm
     (record,) = carried_poison(read_prior(tmp_path), reqs, GrammarConfig(), "tiny")
     assert record.key == validate_spec(bad, GrammarConfig(), vocab="tiny").key
     assert record.reason == 20  # grammar_invalid: permanent
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["distributed.max_restarts=1", "output.journal=false"], "needs output.journal"),
+        (["distributed.max_restarts=1", "launcher=inline"], "does not restart"),
+    ],
+)
+def test_restarts_need_the_journal_and_torchrun(overrides, needle):
+    from gramcoord.launch.config import ConfigError
+
+    with pytest.raises(ConfigError, match=needle):
+        load_config(overrides=overrides)
