@@ -138,7 +138,9 @@ class GrammarManager:
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
         self.stats = ManagerStats()
-        self._shortest = ShortestBound(tokenizer.max_token_bytes)
+        # The unreachable-end bound, made at the first request with a budget
+        # (hosts that pass only a vocabulary's name never ask for it).
+        self._shortest: ShortestBound | None = None
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
 
@@ -193,7 +195,11 @@ class GrammarManager:
                 message=exc.message,
             )
         entry = _Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
-        why = self._shortest.refusal(gspec, max_tokens) if max_tokens is not None else None
+        why = None
+        if max_tokens is not None:
+            if self._shortest is None:
+                self._shortest = ShortestBound(self.tokenizer.max_token_bytes)
+            why = self._shortest.refusal(gspec, max_tokens)
         if why is not None:
             code = ErrorCode.grammar_unreachable_end.name
             return self._outcome(entry, "failed", code=code, message=why)
