@@ -174,6 +174,18 @@ def read_lines(path: Path) -> tuple[list[bytes], int]:
     return good, dropped
 
 
+def _decoded(path: Path, decoder: msgspec.json.Decoder) -> tuple[list, int]:
+    """The decoded intact lines of ``path``, and how many lines were dropped."""
+    lines, dropped = read_lines(path)
+    out = []
+    for payload in lines:
+        try:
+            out.append(decoder.decode(payload))
+        except msgspec.DecodeError:
+            dropped += 1
+    return out, dropped
+
+
 class PriorRun(msgspec.Struct, kw_only=True):
     """What earlier attempts finished, as the next attempt takes it over."""
 
@@ -198,24 +210,15 @@ def read_prior(out_dir: Path, *, before: int | None = None) -> PriorRun:
             m = _FILE.match(path.name)
             if not m:
                 continue
-            lines, dropped = read_lines(path)
+            outputs = m.group(1) == "outputs"
+            decoded, dropped = _decoded(path, _outputs if outputs else _digests)
             prior.dropped += dropped
-            if m.group(1) == "outputs":
-                for payload in lines:
-                    try:
-                        line = _outputs.decode(payload)
-                    except msgspec.DecodeError:
-                        prior.dropped += 1
-                        continue
+            if outputs:
+                for line in decoded:
                     prior.outputs.setdefault(line.record.id, line)
             else:
                 rows = prior.digests.setdefault(int(m.group(2)), [])
-                for payload in lines:
-                    try:
-                        d = _digests.decode(payload)
-                    except msgspec.DecodeError:
-                        prior.dropped += 1
-                        continue
+                for d in decoded:
                     rows.extend(DigestRecord(d.id, p, g) for p, g in d.rows)
     # Digests only of requests whose output survived: the rest run again.
     for rank, rows in prior.digests.items():
