@@ -94,7 +94,7 @@ def _admit(manager: GrammarManager, spec: dict) -> None:
         done = manager.step()
         if done:
             assert done[0].status == "admitted", done[0]
-            manager.finish(rid)
+            manager.release(rid)
             return
         time.sleep(0.0002)
 
@@ -235,7 +235,7 @@ def _dedup_row(manager: GrammarManager, tokenizer, cfg: GrammarConfig, n: int, r
             for o in manager.step():
                 assert o.status == "admitted", o
                 left.discard(o.request_id)
-                manager.finish(o.request_id)
+                manager.release(o.request_id)
             time.sleep(0.0002)
 
     def compile_at_once(text: str) -> None:

@@ -105,7 +105,7 @@ def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dic
                     running[r].append(t)
                     if masks.advance(r, [t]) or len(running[r]) >= max_tokens:
                         running.pop(r)
-                        sched.finish(r)
+                        sched.release(r)
                         done.add(r)
             else:
                 time.sleep(0.002)

@@ -1,7 +1,9 @@
-"""One step's readiness agreement inside one agreement group.
+"""One step's readiness agreement inside one agreement group: the one agreement.
 
-Every member reports its pending window as one fixed-shape int64 row
-(``gramcoord.coordinator.report``). One collective combines the rows: a request is
+Every host runs it: gramcoord's own engine (through ``Coordinator``), and the
+vLLM and SGLang adapters (through the same ``Coordinator`` over their
+engine's process group). Every member reports its pending window as one
+fixed-shape int64 row (``gramcoord.coordinator.report``). One collective combines the rows: a request is
 admitted when it is ready on every member, and failed when it failed on any
 member (failed wins). Every member computes the same ``Decision`` from the
 same combined data, so decisions are identical without a second round.
@@ -25,7 +27,14 @@ from typing import Literal
 import numpy as np
 
 from gramcoord.coordinator.errors import CoordinatorError, DivergenceError
-from gramcoord.coordinator.report import CODECS, Verdict, Window, fingerprint, window_of
+from gramcoord.coordinator.report import (
+    CODECS,
+    Verdict,
+    Window,
+    fingerprint,
+    key_digests,
+    window_of,
+)
 from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, decide_alone
 
 _PENDING, _READY, _FAILED = (int(s) for s in PendingState)
@@ -149,27 +158,29 @@ class Agreement:
             return Decision(step=step, clock_ms=self._clock_ms)
         verdict = self._collective(step, win, clock_ms)
         self._advance(clock_ms if clock_agreed else verdict.clock_ms)
-        return self._decision(step, win, verdict.ready, verdict.failed, verdict.reasons)
+        return self._decision(step, win, verdict)
 
     def _advance(self, clock_ms: int) -> None:
         self._clock_ms = max(self._clock_ms, int(clock_ms))
 
-    def _decision(
-        self,
-        step: int,
-        win: Window,
-        ready: np.ndarray,
-        failed: np.ndarray,
-        reasons: np.ndarray,
-    ) -> Decision:
+    def _decision(self, step: int, win: Window, verdict: Verdict) -> Decision:
         n = len(win.seqs)
-        ready_idx = np.flatnonzero(ready[:n])
-        failed_idx = np.flatnonzero(failed[:n])
+        ready_idx = np.flatnonzero(verdict.ready[:n])
+        failed_idx = np.flatnonzero(verdict.failed[:n])
+        failed_on: tuple[tuple[int, ...], ...] = ()
+        if verdict.failed_by is not None:
+            by = verdict.failed_by
+            failed_on = tuple(
+                tuple(self.members[m] for m in np.flatnonzero(by[:, i]).tolist())
+                for i in failed_idx.tolist()
+            )
         return Decision(
             step=step,
             ready=tuple(win.seqs[ready_idx].tolist()),
-            failed=tuple(zip(win.seqs[failed_idx].tolist(), reasons[failed_idx].tolist())),
+            failed=tuple(zip(win.seqs[failed_idx].tolist(), verdict.reasons[failed_idx].tolist())),
             clock_ms=self._clock_ms,
+            failed_on=failed_on,
+            members=self.members if failed_on else (),
         )
 
     def _collective(self, step: int, win: Window, clock_ms: int) -> Verdict:
@@ -188,10 +199,11 @@ class Agreement:
     def _diagnose(self, step: int, win: Window) -> None:
         """Gather every member's window and raise a DivergenceError that explains it."""
         assert self._gather is not None
-        n = len(win.seqs)
-        payload = np.full(4 + self.window, -1, dtype=np.int64)
-        payload[:4] = (step, n, win.n_total, fingerprint(win.seqs))
+        n, w = len(win.seqs), self.window
+        payload = np.full(4 + 2 * w, -1, dtype=np.int64)
+        payload[:4] = (step, n, win.n_total, fingerprint(win.seqs, win.keys))
         payload[4 : 4 + n] = win.seqs
+        payload[4 + w : 4 + w + n] = key_digests(win.keys, n)
         rows = np.array(self._gather(payload))
         raise divergence(rows, self.members, step)
 
@@ -204,7 +216,10 @@ def _by_value(values: list, members: tuple[int, ...]) -> dict:
 
 
 def divergence(rows: np.ndarray, members: tuple[int, ...], step: int) -> DivergenceError:
-    """Explain gathered diagnostic rows ``[step, n_window, n_total, fp, seqs...]``."""
+    """Explain gathered diagnostic rows ``[step, n_window, n_total, fp, seqs..., keys...]``.
+
+    ``seqs`` and ``keys`` (one digest per grammar key) are ``window`` words each.
+    """
     steps = rows[:, 0].tolist()
     if len(set(steps)) > 1:
         parts = "; ".join(f"step {s} on ranks {r}" for s, r in _by_value(steps, members).items())
@@ -218,8 +233,9 @@ def divergence(rows: np.ndarray, members: tuple[int, ...], step: int) -> Diverge
         f"ranks {r} hold {k[0]} in the window, {k[1]} pending (fingerprint {k[2]:#x})"
         for k, r in _by_value(keys, members).items()
     )
-    seqs = rows[:, 4:]
-    differs = np.flatnonzero(np.any(seqs != seqs[0], axis=0))
+    w = (rows.shape[1] - 4) // 2
+    seqs, grammars = rows[:, 4 : 4 + w], rows[:, 4 + w :]
+    differs = np.flatnonzero(np.any((seqs != seqs[0]) | (grammars != grammars[0]), axis=0))
     if differs.size == 0:
         return DivergenceError(
             f"pending sets diverged at step {step}: {held}; the windows match, the "
@@ -230,10 +246,16 @@ def divergence(rows: np.ndarray, members: tuple[int, ...], step: int) -> Diverge
     pos = int(differs[0])
     column = seqs[:, pos].tolist()
     present = [s for s in column if s >= 0]
-    where = "; ".join(
-        f"{'seq ' + str(s) if s >= 0 else 'nothing'} on ranks {r}"
-        for s, r in _by_value(column, members).items()
-    )
+    if len(set(column)) == 1:  # the same number, different specs
+        groups = _by_value(grammars[:, pos].tolist(), members)
+        where = f"seq {column[0]} holds a different grammar on " + "; ".join(
+            f"ranks {r}" for r in groups.values()
+        )
+    else:
+        where = "; ".join(
+            f"{'seq ' + str(s) if s >= 0 else 'nothing'} on ranks {r}"
+            for s, r in _by_value(column, members).items()
+        )
     return DivergenceError(
         f"pending sets diverged at step {step}: {held}; first differing request at window "
         f"position {pos}: {where}",

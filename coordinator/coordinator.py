@@ -20,7 +20,6 @@ TP workers have no coordinator.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -34,13 +33,9 @@ from gramcoord.coordinator.layout import HostLevels, ParallelLayout
 from gramcoord.coordinator.levels import TwoLevel
 from gramcoord.coordinator.pipeline import Chain
 from gramcoord.coordinator.poison_share import PoisonShare
-from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord
+from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord, wall_clock_ms
 
 logger = logging.getLogger(__name__)
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Member(Protocol):

@@ -9,7 +9,7 @@ requests in sequence order; later ones wait, nothing is dropped).
     word 1      step
     word 2      n_window        entries in this step's window
     word 3      n_total         pending requests, window and overflow
-    word 4      fingerprint     63-bit blake2b of the window's seqs
+    word 4      fingerprint     63-bit blake2b of the window's seqs (and keys)
     word 5      clock_ms        local wall clock
     word 6..7   reserved (0)
     ready       ceil(window/64) words, bit i = window[i] compiled here
@@ -71,6 +71,7 @@ class Window(NamedTuple):
     states: np.ndarray  # int64 PendingState values
     reasons: np.ndarray  # int64, nonzero exactly where FAILED
     n_total: int  # pending requests including those waiting beyond the window
+    keys: tuple[bytes, ...] = ()  # grammar keys, parallel to seqs (or empty)
 
 
 class Verdict(NamedTuple):
@@ -81,6 +82,9 @@ class Verdict(NamedTuple):
     reasons: np.ndarray  # int64[window]: agreed code where failed
     clock_ms: int
     consistent: bool  # False: step or pending set differs somewhere
+    # bool[members, window]: which member failed each slot (gather codec
+    # only; None from the reduce codec, whose AND forgets who).
+    failed_by: np.ndarray | None = None
 
 
 def window_of(status: LocalStatus, size: int, max_reason: int) -> Window:
@@ -111,13 +115,24 @@ def window_of(status: LocalStatus, size: int, max_reason: int) -> Window:
             f"codes must be 1..{max_reason}"
         )
     reasons = np.where(failed, reasons, 0)
-    return Window(seqs, states, reasons, len(status.seqs))
+    return Window(seqs, states, reasons, len(status.seqs), tuple(status.keys[:n]))
 
 
-def fingerprint(seqs: np.ndarray) -> int:
-    """63-bit digest of the ordered sequence numbers (non-negative int64)."""
+def fingerprint(seqs: np.ndarray, keys: tuple[bytes, ...] = ()) -> int:
+    """63-bit digest of the ordered sequence numbers and their grammar keys (non-negative)."""
     digest = hashlib.blake2b(np.ascontiguousarray(seqs, dtype="<i8").tobytes(), digest_size=8)
+    for key in keys:
+        digest.update(key)
     return int.from_bytes(digest.digest(), "little") & _MASK63
+
+
+def key_digests(keys: tuple[bytes, ...], n: int) -> np.ndarray:
+    """int64[n]: a 63-bit digest of each key (0 where none), for divergence reports."""
+    out = np.zeros(n, dtype=np.int64)
+    for i, key in enumerate(keys[:n]):
+        d = hashlib.blake2b(key, digest_size=8).digest()
+        out[i] = int.from_bytes(d, "little") & _MASK63
+    return out
 
 
 def _words(bits: int) -> int:
@@ -156,7 +171,8 @@ class GatherCodec:
         """Write this rank's row into ``out`` (int64[size]); ``index`` is unused."""
         n = len(win.seqs)
         out[:] = 0
-        out[:6] = (MAGIC_GATHER, step, n, win.n_total, fingerprint(win.seqs), clock_ms)
+        fp = fingerprint(win.seqs, win.keys)
+        out[:6] = (MAGIC_GATHER, step, n, win.n_total, fp, clock_ms)
         out[self._ready : self._failed] = pack_bits(win.states == _READY, self.bit_words)
         out[self._failed : self._reasons] = pack_bits(win.states == _FAILED, self.bit_words)
         out[self._reasons :].view(np.int16)[:n] = win.reasons
@@ -168,8 +184,8 @@ class GatherCodec:
         consistent = bool((rows[:, 0] == MAGIC_GATHER).all() and (key == key[0]).all())
         consistent = consistent and int(key[0, 0]) == step
         ready_words = np.bitwise_and.reduce(rows[:, self._ready : self._failed], axis=0)
-        failed_words = np.bitwise_or.reduce(rows[:, self._failed : self._reasons], axis=0)
-        failed = unpack_bits(failed_words, w)
+        failed_rows = rows[:, self._failed : self._reasons]
+        failed = unpack_bits(np.bitwise_or.reduce(failed_rows, axis=0), w)
         ready = unpack_bits(ready_words, w) & ~failed
         codes = (
             np.ascontiguousarray(rows[:, self._reasons :]).view(np.int16)[:, :w].astype(np.int32)
@@ -178,7 +194,10 @@ class GatherCodec:
         # the reduce codec, so both ops give identical decisions.
         lowest = np.where(codes > 0, codes, MAX_GATHER_REASON + 1).min(axis=0)
         reasons = np.where(failed, lowest, 0).astype(np.int64)
-        return Verdict(ready, failed, reasons, int(rows[:, 5].max()), consistent)
+        failed_by = None
+        if failed.any():
+            failed_by = np.stack([unpack_bits(r, w) for r in failed_rows])
+        return Verdict(ready, failed, reasons, int(rows[:, 5].max()), consistent, failed_by)
 
 
 class ReduceCodec:
@@ -197,7 +216,7 @@ class ReduceCodec:
     def encode(self, step: int, win: Window, clock_ms: int, index: int, out: np.ndarray) -> None:
         """Write this rank's row; ``index`` is its position in the group."""
         n = len(win.seqs)
-        fp = fingerprint(win.seqs)
+        fp = fingerprint(win.seqs, win.keys)
         out[0] = MAGIC_REDUCE
         out[1:9] = (step, ~step, n, ~n, win.n_total, ~win.n_total, fp, ~fp)
         out[9] = clock_ms if index == 0 else -1

@@ -1,15 +1,23 @@
 """What a rank reports to the agreement, and what the agreement decides.
 
 These are plain values: the coordinator never sees grammars, only sequence
-numbers, states and integer reason codes. ``rank_worker`` owns the meaning
-of each reason code; the coordinator only carries them.
+numbers, grammar keys, states and integer reason codes. ``rank_worker`` owns
+the meaning of each reason code; the coordinator only carries them.
+``wall_clock_ms`` is the clock every member reports; the agreement turns the
+members' readings into the agreed clock (``Decision.clock_ms``).
 """
 
 from __future__ import annotations
 
+import time
 from enum import IntEnum
 
 import msgspec
+
+
+def wall_clock_ms() -> int:
+    """This rank's wall clock in milliseconds (what a member reports to its group)."""
+    return time.time_ns() // 1_000_000
 
 
 class PendingState(IntEnum):
@@ -23,15 +31,19 @@ class LocalStatus(msgspec.Struct, frozen=True, kw_only=True):
 
     ``seqs`` are the sequence numbers of every request waiting for
     admission, ascending. ``states`` and ``reasons`` are parallel to it;
-    ``reasons[i]`` is 0 unless ``states[i]`` is FAILED.
+    ``reasons[i]`` is 0 unless ``states[i]`` is FAILED. ``keys``, when
+    given, holds each request's grammar key (parallel too): the members then
+    also agree that they hold the same grammar under each number.
     """
 
     seqs: tuple[int, ...] = ()
     states: tuple[int, ...] = ()
     reasons: tuple[int, ...] = ()
+    keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.seqs) == len(self.states) == len(self.reasons)
+        assert not self.keys or len(self.keys) == len(self.seqs)
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +58,24 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     failed: tuple[tuple[int, int], ...] = ()
     # Agreed wall clock (max over the group), used for poison TTL expiry.
     clock_ms: int = 0
+    # Parallel to ``failed``: the global ranks on which each request failed,
+    # where the report says (the all_gather form); empty otherwise, and on
+    # ranks that received the decision down the pipeline chain.
+    failed_on: tuple[tuple[int, ...], ...] = ()
+    # The agreement group that decided (global ranks), where known.
+    members: tuple[int, ...] = ()
+
+    def failed_ranks(self, seq: int) -> tuple[int, ...] | None:
+        """The ranks on which ``seq`` failed, if the decision says (else None)."""
+        for (s, _), ranks in zip(self.failed, self.failed_on):
+            if s == seq:
+                return ranks
+        return None
+
+    def failed_everywhere(self, seq: int) -> bool:
+        """Whether ``seq`` failed on every member of the group (known from the report)."""
+        ranks = self.failed_ranks(seq)
+        return ranks is not None and len(ranks) == len(self.members) > 0
 
 
 class PoisonRecord(msgspec.Struct, frozen=True, array_like=True):

@@ -190,7 +190,7 @@ def run_check(
             while live or retry:
                 for o in manager.step():
                     settle(live.pop(o.request_id), o)
-                    manager.finish(o.request_id)
+                    manager.release(o.request_id)
                 if retry and manager.service.num_stuck() == 0:
                     pending, retry[:] = list(retry), []
                     for rec in pending:

@@ -168,7 +168,7 @@ class InstanceChecker:
                 v.invalid_caught += 1
             else:
                 slipped += 1
-        self.manager.finish(rec["id"])
+        self.manager.release(rec["id"])
         v.over_reasons = tuple(reasons)
         if slipped:
             v.verdict, v.silent = "under_constrained", not outcome.warnings

@@ -12,7 +12,7 @@ from enum import IntEnum
 
 
 class ErrorCode(IntEnum):
-    # Spec shape (DESIGN section 2).
+    # Spec shape (docs/design.md, "Request lifecycle").
     spec_bad_type = 1
     spec_no_kind = 2
     spec_multiple_kinds = 3
@@ -46,6 +46,9 @@ class ErrorCode(IntEnum):
     output_schema_mismatch = 50
     # The grammar's shortest sentence needs more tokens than max_tokens.
     grammar_unreachable_end = 51
+    # The ranks of an agreement group held different pending requests: every
+    # pending request there fails, so no rank admits one another lacks.
+    grammar_divergence = 52
 
     @classmethod
     def name_of(cls, value: int) -> str:

@@ -378,7 +378,7 @@ class GenerateSession:
             if rec.outcome.status == "admitted":
                 # A failed request already left the manager (and its id may
                 # name another live request: duplicate_request_id).
-                self.session.leader.finish(rid)
+                self.session.leader.release(rid)
             out[rid] = rec.result(self.tokenizer)
         return out
 

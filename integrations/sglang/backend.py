@@ -11,7 +11,23 @@ repeated mask fills of chunked prefill, jump-forward and retokenization,
 gramcoord adds validation and keys, a bounded compile cache, a poison
 cache with a TTL for timeouts (SGLang caches a timeout for ever), compile
 deadlines, joined compiles of one key, and the agreement of when a grammar
-is ready (``agreement``): one outcome on every rank of SGLang's sync group.
+is ready: one outcome on every rank of SGLang's sync group. All of that is
+the per-rank API (``StageLeader.for_host`` over SGLang's sync group, wrapped
+in ``GrammarFutures``); what stays here is SGLang's: its compile calls, its
+grammar objects, and where the agreement runs (``AgreedFuture.result``).
+
+Where the agreement runs
+------------------------
+SGLang's ``GrammarManager.get_ready_grammar_requests`` polls each queued
+request's grammar ``Future``, all_gathers the pickled sets of queue indices
+whose ``Future`` is done, and then calls ``Future.result()`` on the
+intersection, in the same order on every rank of its sync group. Here
+``done()`` means the local compile finished (well or badly), and
+``result()`` is where the ranks agree: its first call without a decision
+runs the agreement's collective, and every rank decides the same (ready
+everywhere, failed anywhere). Every rank reaches that collective, because
+SGLang calls ``result()`` only after its own collective, on the same
+requests, in the same order.
 
 Where the sync runs
 -------------------
@@ -30,15 +46,16 @@ ranks of the group only is outside what a backend can repair: SGLang's own
 all_gather then waits on the rank with the request until the group's
 timeout; where both queues are non-empty the fingerprint check fails every
 pending request on every rank rather than admit a mismatched one
-(``agreement.AgreementDivergence``'s message).
+(``grammar_divergence``, with a message naming the ranks and the first
+differing request).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -57,15 +74,17 @@ from sglang.srt.constrained.xgrammar_backend import (
 )
 from xgrammar import CompiledGrammar, GrammarMatcher
 
-from gramcoord.integrations.sglang.agreement import Agreement
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.errors import ErrorCode, SpecError
-from gramcoord.rank_worker.grammars.caches import CompileCache, PoisonKind
+from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.manager import GrammarManager
-from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
+from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.grammars.spec import GrammarSpec
+from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
+from gramcoord.rank_worker.session.futures import GrammarFutures
+from gramcoord.rank_worker.session.leader import StageLeader
 
-__all__ = ["GramcoordBackend", "GramcoordGrammar", "grammar_config", "spec_of"]
+__all__ = ["AgreedFuture", "GramcoordBackend", "GramcoordGrammar", "grammar_config", "spec_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +121,29 @@ def spec_of(key: tuple[str, str]) -> dict[str, Any] | None:
     return None
 
 
-def _digest(key: tuple[str, str]) -> bytes:
-    return hashlib.blake2b("\0".join(key).encode("utf-8", "surrogatepass"), digest_size=16).digest()
+class AgreedFuture(Future):
+    """A grammar ``Future`` whose value the ranks agree on in ``result()``."""
+
+    def __init__(self, grammars: GrammarFutures, request_id: str) -> None:
+        super().__init__()
+        self._grammars = grammars
+        self.request_id = request_id
+
+    def done(self) -> bool:
+        return super().done() or self._grammars.compiled_here(self.request_id)
+
+    def result(self, timeout: float | None = None) -> Any:
+        # Decide until this request is decided; every rank runs the same
+        # rounds. Asked early (its compile not done anywhere), wait, never spin.
+        while not super().done() and self._grammars.undecided(self.request_id):
+            if not self._grammars.step():
+                self._grammars.wait(0.05)
+                time.sleep(0.001)
+        return super().result(timeout)
+
+    def cancel(self) -> bool:
+        self._grammars.release(self.request_id)
+        return super().cancel()
 
 
 class GramcoordGrammar(XGrammarGrammar):
@@ -174,16 +214,20 @@ class GramcoordBackend(BaseGrammarBackend):
         compile_fn: CompileFn = self._compile
         if compile_hook is not None:
             compile_fn = compile_hook(compile_fn)
-        self.manager = GrammarManager(
-            self.config, _Vocab(f"sglang:{name}:{vocab_size}"), compile_fn=compile_fn
+        manager = GrammarManager(
+            self.config, HostVocabulary(f"sglang:{name}:{vocab_size}"), compile_fn=compile_fn
         )
-        self.agreement = Agreement(self.manager, self._grammar, InvalidGrammarObject, group)
+        self.leader = StageLeader.for_host(manager, group)
+        self.grammars = GrammarFutures(self.leader, admit=self._admitted, refuse=self._refused)
         # spec key -> SGLang's key, compiled as SGLang's backend compiles it.
         self._origin: dict[bytes, tuple[str, str]] = {}
+        # request id -> SGLang's key (for the grammar object of an admitted one).
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._next = 0
         logger.info(
             "gramcoord SGLang backend: vocabulary of %d, sync group of %d, %d compile workers",
             vocab_size,
-            self.agreement.size,
+            self.leader.group_size,
             self.config.pool_size,
         )
 
@@ -206,8 +250,24 @@ class GramcoordBackend(BaseGrammarBackend):
             matcher, self.vocab_size, ctx, self.host.override_stop_tokens, key[1], stats
         )
 
-    def _grammar(self, request_id: str, key: tuple[str, str]) -> GramcoordGrammar:
-        return self._from_ctx(self.manager.compiled(request_id), key, False)
+    def _admitted(self, outcome: Outcome) -> GramcoordGrammar:
+        rid = outcome.request_id
+        try:
+            return self._from_ctx(self.leader.compiled(rid), self._keys.pop(rid), False)
+        finally:
+            # SGLang keeps the grammar object; the compiled grammar stays cached.
+            self.leader.release(rid)
+
+    def _refused(self, outcome: Outcome) -> InvalidGrammarObject:
+        self._keys.pop(outcome.request_id, None)
+        code = outcome.code or ErrorCode.grammar_internal.name
+        return InvalidGrammarObject(f"{code}: {outcome.message}")
+
+    def _submit(self, key: tuple[str, str], spec: dict[str, Any]) -> AgreedFuture:
+        rid = f"sglang-{self._next}"
+        self._next += 1
+        self._keys[rid] = key
+        return self.grammars.submit(rid, spec, AgreedFuture(self.grammars, rid))
 
     # -- SGLang's calls --------------------------------------------------------
 
@@ -220,53 +280,35 @@ class GramcoordBackend(BaseGrammarBackend):
             done: Future = Future()
             done.set_result(InvalidGrammarObject(f"Invalid key_type: {key[0]}"))
             return done, False
-        try:
-            gspec = validate_spec(spec, self.config, vocab=self.manager.tokenizer.name)
-        except SpecError:  # refused at the next get-ready call, as SGLang refuses its own
-            return self.agreement.submit(_digest(key), spec, key), False
-        compiled = self.manager.cache.get(gspec.key)
-        if compiled is not None:
-            grammar = self._from_ctx(compiled, key, True)
+        found = self.leader.lookup(spec)
+        if found.compiled is not None:
+            grammar = self._from_ctx(found.compiled, key, True)
             grammar.maybe_init_reasoning(require_reasoning)
             return grammar, True
-        poisoned = self.manager.poison.get(gspec.key, self.manager.agreed_ms)
-        if poisoned is not None:
-            code = ErrorCode.name_of(poisoned.reason)
-            # The stored text is the failing rank's own; the group aborts with one text.
-            why = poisoned.message if self.agreement.size == 1 else "failed earlier in the group"
-            return InvalidGrammarObject(f"{code}: poisoned key: {why}"), True
-        self._origin.setdefault(gspec.key, key)
-        return self.agreement.submit(_digest(key), spec, key), False
+        if found.failed is not None:
+            # The stored text is the failing rank's own; a group aborts with one text.
+            failed = found.failed
+            why = failed.message if self.leader.group_size == 1 else "poisoned key: failed earlier"
+            return InvalidGrammarObject(f"{failed.code}: {why}"), True
+        if found.key is not None:
+            self._origin.setdefault(found.key, key)
+        return self._submit(key, spec), False
 
     def set_cache(self, key: tuple[str, str], value: BaseGrammarObject) -> None:
         """Admitted grammars are cached at the decision; a timeout poisons for a TTL."""
         if not isinstance(value, InvalidGrammarObject) or value.error_message != _TIMED_OUT:
             return
         spec = spec_of(key)
-        try:
-            gspec = validate_spec(spec, self.config, vocab=self.manager.tokenizer.name)
-        except (SpecError, TypeError):
-            return
-        reason = int(ErrorCode.grammar_timeout)
-        self.manager.poison.poison(
-            gspec.key, PoisonKind.TIMEOUT, reason, _TIMED_OUT, self.manager.agreed_ms
-        )
+        if spec is not None:
+            self.leader.poison(spec, ErrorCode.grammar_timeout, _TIMED_OUT)
 
     def reset(self) -> None:
         """SGLang's ``flush_cache``: drop compiled grammars (poison is agreed state, kept)."""
         super().reset()
-        old = self.manager.cache
-        self.manager.cache = CompileCache(max_bytes=old.max_bytes, max_entries=old.max_entries)
+        self.leader.clear_cache()
         self.host.reset()
 
     def close(self) -> None:
         """Stop the compile pool (SGLang never calls it; tests and shutdown do)."""
-        self.manager.close()
+        self.leader.close()
         self.executor.shutdown(wait=False)
-
-
-class _Vocab:
-    """What the manager needs of a vocabulary: its name (part of every key)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name

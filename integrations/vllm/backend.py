@@ -5,14 +5,16 @@ vocabulary, stop ids and compile calls are vLLM's own (an
 ``XgrammarBackend`` inside supplies the tokenizer info and compiles), so
 outputs are token-identical to vLLM + xgrammar. gramcoord adds what vLLM
 lacks: validation and keys, a compile cache and poison cache, compile
-deadlines, and readiness decided by the ``Agreement`` once per engine step.
+deadlines, and readiness agreed once per engine step. All of that is the
+per-rank API (``StageLeader.for_host`` over vLLM's TP group, wrapped in
+``GrammarFutures`` because vLLM's scheduler waits on a Future); what stays
+here is vLLM's: its compile calls, its grammar objects, its call sites.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +28,19 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
-from gramcoord.integrations.vllm.agreement import Agreement
+from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
-from gramcoord.rank_worker.grammars.compile_service import _choice_ebnf
+from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
 from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
+from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
+from gramcoord.rank_worker.session.futures import GrammarFutures
+from gramcoord.rank_worker.session.leader import StageLeader
 
-__all__ = ["GramcoordBackend", "GramcoordGrammar", "grammar_config"]
+__all__ = ["GramcoordBackend", "GramcoordGrammar", "GrammarInitError", "grammar_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +101,15 @@ def grammar_config(disable_any_whitespace: bool, options: dict[str, Any] | None 
     )
 
 
+class GrammarInitError(RuntimeError):
+    """Why a request's grammar will never be ready; the same text on every rank."""
+
+    def __init__(self, request_id: str, code: str, message: str) -> None:
+        super().__init__(f"gramcoord: request {request_id!r}: {code}: {message}")
+        self.request_id = request_id
+        self.code = code
+
+
 def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[str, Any]:
     """The gramcoord spec (vLLM field names) of a vLLM structured-output key."""
     kind = request_type.name.lower()
@@ -129,16 +145,18 @@ class GramcoordBackend(StructuredOutputBackend):
         faults = RankFaults.of(
             msgspec.convert(extra.get("faults", {}), FaultsConfig), self.global_rank
         )
-        model = self.vllm_config.model_config
-        vocab = f"vllm:{model.tokenizer}:{self.vocab_size}"
-        self.manager = GrammarManager(
-            self.config, _Vocab(vocab), compile_fn=faults.wrap_compile(self._compile_spec)
+        distributed = msgspec.convert(extra.get("distributed", {}), DistributedConfig)
+        vocab = f"vllm:{self.vllm_config.model_config.tokenizer}:{self.vocab_size}"
+        manager = GrammarManager(
+            self.config, HostVocabulary(vocab), compile_fn=faults.wrap_compile(self._compile_spec)
         )
-        self.agreement = Agreement(self.manager, self.group)
+        self.leader = StageLeader.for_host(manager, self.group, distributed)
+        self.grammars = GrammarFutures(self.leader, admit=self._admitted, refuse=self._refused)
+        self._stops: dict[str, set[int] | None] = {}
         logger.info(
             "gramcoord backend: vocabulary %s, agreement group of %d, %d compile workers",
             vocab,
-            self.agreement.size,
+            self.leader.group_size,
             self.config.pool_size,
         )
 
@@ -147,7 +165,7 @@ class GramcoordBackend(StructuredOutputBackend):
     def _compile_spec(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """A validated spec compiled exactly as vLLM's xgrammar backend compiles it."""
         if spec.kind == "choice":  # vLLM's validation turns choices into grammars first
-            return self.host.compiler.compile_grammar(_choice_ebnf(spec.text))
+            return self.host.compiler.compile_grammar(choice_ebnf(spec.text))
         text = "" if spec.kind == "json_object" else spec.text
         return self.host.compile_grammar(_KIND_TO_VLLM[spec.kind], text).ctx
 
@@ -177,44 +195,43 @@ class GramcoordBackend(StructuredOutputBackend):
     # -- the engine's path -----------------------------------------------------
 
     def admit(self, request: Any) -> None:
-        """``grammar_init`` for gramcoord: the grammar slot gets an agreement-owned Future."""
+        """``grammar_init`` for gramcoord: the grammar slot gets a Future the agreement resolves."""
         sor = request.structured_output_request
         request_type, grammar_spec = sor.structured_output_key
         params = request.sampling_params
-        stops = params.all_stop_token_ids if params is not None else None
-        future: Future = self.agreement.submit(
-            request.request_id,
-            spec_of(request_type, grammar_spec),
-            lambda rid: self._grammar(self.manager.compiled(rid), stops, rid),
-        )
-        sor.grammar = future
+        self._stops[request.request_id] = params.all_stop_token_ids if params is not None else None
+        sor.grammar = self.grammars.submit(request.request_id, spec_of(request_type, grammar_spec))
+
+    def _admitted(self, outcome: Outcome) -> GramcoordGrammar:
+        rid = outcome.request_id
+        return self._grammar(self.leader.compiled(rid), self._stops.pop(rid, None), rid)
+
+    def _refused(self, outcome: Outcome) -> GrammarInitError:
+        self._stops.pop(outcome.request_id, None)
+        code = outcome.code or ErrorCode.grammar_internal.name
+        return GrammarInitError(outcome.request_id, code, outcome.message)
 
     def before_schedule(self, num_unfinished: int) -> None:
         """Top of every ``Scheduler.schedule``: sleep briefly if only grammars are awaited,
         then agree (every rank, every step)."""
-        if self.agreement.num_undecided and num_unfinished <= self.agreement.num_undecided:
-            self.agreement.wait(0.02)
-        self.agreement.step()
+        undecided = self.grammars.num_undecided
+        if undecided and num_unfinished <= undecided:
+            self.grammars.wait(0.02)
+        self.grammars.step()
 
     def release(self, request_id: str) -> None:
         """``Scheduler._free_request``: the request ended, for whatever reason."""
-        self.agreement.release(request_id)
+        self._stops.pop(request_id, None)
+        self.grammars.release(request_id)
 
     @property
     def num_live(self) -> int:
         """Requests whose state is still held here (0 once all ended)."""
-        return self.agreement.num_live
+        return self.grammars.num_live
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(max_num_seqs, self.vocab_size)
 
     def destroy(self) -> None:
-        self.manager.close()
+        self.leader.close()
         self.host.destroy()
-
-
-class _Vocab:
-    """What the manager needs of a vocabulary: its name (part of every key)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name

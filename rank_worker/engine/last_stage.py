@@ -280,7 +280,7 @@ class LastStage:
 
     def _drop(self, rid: str) -> None:
         self.views.pop(rid, None)
-        self._stage.finish(rid)
+        self._stage.release(rid)
         self._ended(rid)
 
     def _ended(self, rid: str) -> None:

@@ -218,7 +218,7 @@ def _origin_step(session, origin, last, step, route, timings) -> BatchFrame:
     if last is None:  # the last stage's leader forgot them already (same session if pp == 1)
         for res in results.results:
             if res.finish_reason is not None:
-                session.leader.finish(res.request_id)
+                session.leader.release(res.request_id)
     return frame
 
 
@@ -243,7 +243,7 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
         link.recv(route.frame_src, operation="batch frame", step=step), BatchFrame
     )
     for rid in frame.finished:
-        stage.finish(rid)
+        stage.release(rid)
     if route.next_leader is not None:
         forward = msgspec.structs.replace(frame, failed_upstream=frame.failed_upstream + failures)
         for dst in route.frame_dsts:

@@ -1,18 +1,31 @@
-"""The two per-rank grammar caches: compiled grammars and poisoned keys.
+"""A rank's grammar caches: compiled grammars and poisoned keys, on the agreed clock.
 
-Both change only through explicit calls (``put``, ``poison``, ``expire``),
-made at agreed decision points, so every rank of an agreement group holds
-the same entries in the same LRU order. Neither looks at a clock on its
-own: the caller passes the agreed time.
+A **poisoned key** is a grammar key whose compile failed: a request for it
+fails at once, with the original code and message, without compiling or
+waiting for a collective. ``grammar_invalid`` poisons for ever,
+``grammar_timeout`` for ``grammar.poison_ttl_s`` of the **agreed clock**
+(the clock the agreement group settled on, ``Decision.clock_ms``), never of
+this rank's own.
+
+``GrammarCaches`` is what the ``GrammarManager`` holds: both caches, the
+agreed clock, and the newly poisoned keys waiting to be shared with the
+other replicas. Everything in it changes only at agreed decision points
+(``advance``, ``record_failure``, ``apply``), so every rank of an agreement
+group holds the same entries in the same LRU order.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from enum import IntEnum
 from typing import Any
 
 import msgspec
+
+from gramcoord.coordinator.status import PoisonRecord
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode
 
 
 class PoisonKind(IntEnum):
@@ -20,6 +33,13 @@ class PoisonKind(IntEnum):
     INVALID = 1
     # The compile ran past its deadline; expires after poison_ttl_s.
     TIMEOUT = 2
+
+
+# The failures that poison their key, and how.
+POISON_KIND = {
+    int(ErrorCode.grammar_invalid): PoisonKind.INVALID,
+    int(ErrorCode.grammar_timeout): PoisonKind.TIMEOUT,
+}
 
 
 class PoisonEntry(msgspec.Struct, frozen=True):
@@ -119,3 +139,71 @@ class PoisonCache:
         for k in gone:
             del self._items[k]
         return gone
+
+
+class GrammarCaches:
+    """One rank's compiled and poisoned keys, and the agreed clock; see the module docstring.
+
+    Parameters
+    ----------
+    config:
+        The ``grammar`` section (cache bounds, ``poison_ttl_s``).
+    """
+
+    def __init__(self, config: GrammarConfig) -> None:
+        self.compiled = CompileCache(
+            max_bytes=int(config.cache_limit_mb * 2**20), max_entries=config.num_cache_entries
+        )
+        self.poison = PoisonCache(
+            max_entries=config.num_poison_entries, ttl_ms=int(config.poison_ttl_s * 1e3)
+        )
+        # The latest decision's clock (ms): poison TTLs are judged against it.
+        self.agreed_ms = 0
+        self._new: list[PoisonRecord] = []
+
+    def advance(self, clock_ms: int) -> None:
+        """Move the agreed clock to a decision's (never back) and expire poison by it."""
+        self.agreed_ms = max(self.agreed_ms, clock_ms)
+        self.poison.expire(self.agreed_ms)
+
+    def poisoned(self, key: bytes) -> PoisonEntry | None:
+        """The live poison entry of ``key`` at the agreed clock, if any."""
+        return self.poison.get(key, self.agreed_ms)
+
+    def record_failure(self, key: bytes, reason: int, message: str, *, share: bool) -> None:
+        """An agreed failure of ``key``: poison it if its code poisons and it is not already.
+
+        With ``share``, the record also waits in ``new_failures`` for the
+        other replicas (the rank that decided shares; followers do not).
+        """
+        kind = POISON_KIND.get(reason)
+        if kind is None or self.poisoned(key) is not None:
+            return
+        self.poison.poison(key, kind, reason, message, self.agreed_ms)
+        if share:
+            self._new.append(PoisonRecord(key, reason, self.agreed_ms))
+
+    def poison_here(self, key: bytes, code: ErrorCode, message: str) -> bool:
+        """Poison ``key`` at the agreed clock without sharing it; whether its code poisons."""
+        kind = POISON_KIND.get(int(code))
+        if kind is not None:
+            self.poison.poison(key, kind, int(code), message, self.agreed_ms)
+        return kind is not None
+
+    def new_failures(self) -> list[PoisonRecord]:
+        """Keys poisoned here since the last call, to share with the other replicas."""
+        out, self._new = self._new, []
+        return out
+
+    def apply(self, records: Iterable[PoisonRecord]) -> None:
+        """Poison keys decided elsewhere; TTLs run from each record's clock."""
+        for r in records:
+            kind = POISON_KIND.get(r.reason)
+            if kind is not None:
+                msg = f"{ErrorCode.name_of(r.reason)} (on another replica, or an earlier attempt)"
+                self.poison.poison(r.key, kind, r.reason, msg, r.clock_ms)
+
+    def clear_compiled(self) -> None:
+        """Drop every compiled grammar (a host's cache flush); poison is agreed state, kept."""
+        old = self.compiled
+        self.compiled = CompileCache(max_bytes=old.max_bytes, max_entries=old.max_entries)

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 CompileFn = Callable[[GrammarSpec], Any]
 
 
-def _choice_ebnf(text: str) -> str:
+def choice_ebnf(text: str) -> str:
     # EBNF string literals take JSON-style escapes, so json.dumps quotes
     # every option safely.
     options = json.loads(text)
@@ -108,7 +108,7 @@ class XGrammarBackend:
             ),
             "regex": lambda c, s: c.compile_regex(s.text),
             "ebnf": lambda c, s: c.compile_grammar(s.text),
-            "choice": lambda c, s: c.compile_grammar(_choice_ebnf(s.text)),
+            "choice": lambda c, s: c.compile_grammar(choice_ebnf(s.text)),
             "lark": lambda c, s: c.compile_lark(s.text),
             "structural_tag": lambda c, s: c.compile_structural_tag(s.text),
         }

@@ -11,10 +11,12 @@ Requests flow through three places:
 
 Immediate verdicts that are identical on every rank (a spec that fails
 validation, a poisoned key) never enter the window. Everything else waits
-for a ``Decision``: from the coordinator in multi-rank runs, or from
-``decide_locally`` on one rank. Caches change only inside
-``apply_decision`` and ``apply_poison``, so ranks that apply the same
-decisions hold the same caches.
+for a ``Decision``: from the agreement in multi-rank runs (the manager is
+the coordinator's ``Member``), or from ``step`` on one rank. The caches
+(``caches.GrammarCaches``) change only inside ``apply_decision`` and
+``apply_poison``, so ranks that apply the same decisions hold the same
+caches. The rank's per-rank API (``session.leader.StageLeader``) owns one
+manager; hosts reach it only through that API.
 """
 
 from __future__ import annotations
@@ -23,73 +25,50 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import xgrammar as xgr
 
-from gramcoord.coordinator.coordinator import wall_clock_ms
 from gramcoord.coordinator.status import (
     Decision,
     LocalStatus,
     PendingState,
     PoisonRecord,
     decide_alone,
+    wall_clock_ms,
 )
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
-from gramcoord.rank_worker.grammars.caches import CompileCache, PoisonCache, PoisonKind
+from gramcoord.rank_worker.grammars.caches import GrammarCaches
 from gramcoord.rank_worker.grammars.compile_service import (
     CompileFn,
-    CompileJob,
     CompileService,
     XGrammarBackend,
 )
 from gramcoord.rank_worker.grammars.outcome import (
-    CacheStatus,
+    Entry,
     ManagerStats,
     Outcome,
     refuse_id,
     refuse_seq,
 )
 from gramcoord.rank_worker.grammars.shortest import ShortestBound
-from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
+from gramcoord.rank_worker.grammars.spec import validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# The follower wait is capped at this share of the step timeout (see
-# ``stage_wait_s``).
-STAGE_WAIT_SHARE = 0.5
 
-_POISON_KIND = {
-    int(ErrorCode.grammar_invalid): PoisonKind.INVALID,
-    int(ErrorCode.grammar_timeout): PoisonKind.TIMEOUT,
-}
+class Lookup(NamedTuple):
+    """What the caches hold for a spec (``GrammarManager.lookup``), the same on every rank."""
 
-
-def stage_wait_s(compile_timeout_s: float, step_timeout_s: float) -> float:
-    """How long a rank that follows a decision waits for its own compiles, per step.
-
-    A later pipeline stage and a ``fill`` TP follower both wait up to the
-    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout. A
-    gloo send completes only once its receiver has posted the receive, so a
-    follower that waits holds the decider back by as long: the decider must
-    never take a waiting follower for a lost one.
-    """
-    return min(compile_timeout_s, step_timeout_s * STAGE_WAIT_SHARE)
-
-
-@dataclass(eq=False)
-class _Entry:
-    seq: int
-    request_id: str
-    spec: GrammarSpec
-    cache: CacheStatus
-    compiled: Any = None
-    job: CompileJob | None = None
-    warnings: tuple[str, ...] = ()
-    compile_ms: float = 0.0
+    # The grammar key; None for a spec that fails validation (``add``
+    # refuses it with its code).
+    key: bytes | None
+    # The compiled grammar on a cache hit.
+    compiled: Any
+    # The failed outcome of a poisoned key.
+    failed: Outcome | None
 
 
 class GrammarManager:
@@ -121,22 +100,13 @@ class GrammarManager:
             tokenizer, cache_limit_bytes=int(config.cache_limit_mb * 2**20)
         )
         self.service = CompileService(config, backend, clock=clock)
-        self.cache = CompileCache(
-            max_bytes=int(config.cache_limit_mb * 2**20), max_entries=config.num_cache_entries
-        )
-        self.poison = PoisonCache(
-            max_entries=config.num_poison_entries, ttl_ms=int(config.poison_ttl_s * 1e3)
-        )
-        self._pending: dict[int, _Entry] = {}
-        self._waiting: deque[_Entry] = deque()
-        self._running: dict[str, _Entry] = {}
+        self.caches = GrammarCaches(config)
+        self._pending: dict[int, Entry] = {}
+        self._waiting: deque[Entry] = deque()
+        self._running: dict[str, Entry] = {}
         self._seq_of: dict[str, int] = {}
         self._deferred: list[Outcome] = []
-        self._new_failures: list[PoisonRecord] = []
         self._next_seq = 0
-        # Agreed wall clock (ms): the latest decision's. Poison TTLs are
-        # judged against it, never against this rank's own clock.
-        self.agreed_ms = 0
         self.stats = ManagerStats()
         # The unreachable-end bound, made at the first request with a budget
         # (hosts that pass only a vocabulary's name never ask for it).
@@ -194,7 +164,7 @@ class GrammarManager:
                 code=exc.code.name,
                 message=exc.message,
             )
-        entry = _Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
+        entry = Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
         why = None
         if max_tokens is not None:
             if self._shortest is None:
@@ -202,28 +172,28 @@ class GrammarManager:
             why = self._shortest.refusal(gspec, max_tokens)
         if why is not None:
             code = ErrorCode.grammar_unreachable_end.name
-            return self._outcome(entry, "failed", code=code, message=why)
+            return entry.outcome("failed", code=code, message=why)
         poisoned = self._poisoned_outcome(entry)
         if poisoned is not None:
             return poisoned
         self._seq_of[request_id] = seq
         if len(self._pending) >= self.config.max_pending:
             self._waiting.append(entry)
-            return self._outcome(entry, "waiting")
+            return entry.outcome("waiting")
         self._enter_window(entry)
-        return self._outcome(entry, "pending")
+        return entry.outcome("pending")
 
-    def _poisoned_outcome(self, entry: _Entry) -> Outcome | None:
-        hit = self.poison.get(entry.spec.key, self.agreed_ms)
+    def _poisoned_outcome(self, entry: Entry) -> Outcome | None:
+        hit = self.caches.poisoned(entry.spec.key)
         if hit is None:
             return None
         self.stats.poisoned += 1
         entry.cache = "poisoned"
         code = ErrorCode.name_of(hit.reason)
-        return self._outcome(entry, "failed", code=code, message=f"poisoned key: {hit.message}")
+        return entry.outcome("failed", code=code, message=f"poisoned key: {hit.message}")
 
-    def _enter_window(self, entry: _Entry) -> None:
-        compiled = self.cache.get(entry.spec.key)
+    def _enter_window(self, entry: Entry) -> None:
+        compiled = self.caches.compiled.get(entry.spec.key)
         if compiled is not None:
             entry.cache, entry.compiled = "hit", compiled
         else:
@@ -244,8 +214,8 @@ class GrammarManager:
 
     # -- agreement interface -----------------------------------------------
 
-    def _state(self, entry: _Entry) -> tuple[PendingState, int]:
-        hit = self.poison.get(entry.spec.key, self.agreed_ms)
+    def _state(self, entry: Entry) -> tuple[PendingState, int]:
+        hit = self.caches.poisoned(entry.spec.key)
         if hit is not None:  # poisoned meanwhile, e.g. shared by a DP peer
             return PendingState.FAILED, hit.reason
         if entry.compiled is not None:
@@ -253,22 +223,19 @@ class GrammarManager:
         assert entry.job is not None
         return entry.job.state()
 
-    def pending_key(self, seq: int) -> bytes:
-        """The grammar key of pending request ``seq`` (identical on every rank
-        that holds the same request); empty if it is not pending."""
-        entry = self._pending.get(seq)
-        return entry.spec.key if entry is not None else b""
-
     def local_status(self) -> LocalStatus:
         """This rank's view of the pending window, in sequence order."""
         self.service.poll()
-        seqs, states, reasons = [], [], []
+        seqs, states, reasons, keys = [], [], [], []
         for seq, entry in self._pending.items():
             state, reason = self._state(entry)
             seqs.append(seq)
             states.append(int(state))
             reasons.append(reason)
-        return LocalStatus(seqs=tuple(seqs), states=tuple(states), reasons=tuple(reasons))
+            keys.append(entry.spec.key)
+        return LocalStatus(
+            seqs=tuple(seqs), states=tuple(states), reasons=tuple(reasons), keys=tuple(keys)
+        )
 
     def step(self, step: int = 0, *, clock_ms: int | None = None) -> list[Outcome]:
         """Single-process admission: decide alone on the local status, apply it.
@@ -278,8 +245,7 @@ class GrammarManager:
         """
         clock = wall_clock_ms() if clock_ms is None else clock_ms
         out = self.apply_decision(decide_alone(step, self.local_status(), clock))
-        # No peers to share new poison with.
-        self._new_failures.clear()
+        self.caches.new_failures()  # no peers to share new poison with
         return out
 
     def apply_decision(self, decision: Decision) -> list[Outcome]:
@@ -299,8 +265,7 @@ class GrammarManager:
         # Followers never call local_status, so deadlines and stuck-worker
         # replacement must also advance here.
         self.service.poll()
-        self.agreed_ms = max(self.agreed_ms, decision.clock_ms)
-        self.poison.expire(self.agreed_ms)
+        self.caches.advance(decision.clock_ms)
         failed = dict(decision.failed)
         outcomes, self._deferred = self._deferred, []
         for seq in sorted(set(decision.ready) | failed.keys()):
@@ -312,24 +277,18 @@ class GrammarManager:
                 logger.debug("decision %d names seq %d, not pending here", decision.step, seq)
                 continue
             if seq in failed:
-                outcomes.append(self._fail(entry, failed[seq]))
+                outcomes.append(self._fail(entry, failed[seq], decision))
             else:
                 outcomes.append(self._admit(entry, max(0.0, deadline - time.monotonic())))
         self._fill_window()
         if self.follow_wait_s is not None:
-            self._new_failures.clear()  # the decider shares these keys
             late = [o.request_id for o in outcomes if o.code == "grammar_stage_timeout"]
             if late:
-                logger.warning(
-                    "decision %d: %d admitted requests not compiled here within %.1fs: %s",
-                    decision.step,
-                    len(late),
-                    wait_s,
-                    late,
-                )
+                msg = "decision %d: %d admitted requests not compiled here within %.1fs: %s"
+                logger.warning(msg, decision.step, len(late), wait_s, late)
         return outcomes
 
-    def _admit(self, entry: _Entry, wait_s: float) -> Outcome:
+    def _admit(self, entry: Entry, wait_s: float) -> Outcome:
         if entry.compiled is None:
             job = entry.job
             assert job is not None
@@ -343,47 +302,53 @@ class GrammarManager:
                 self.service.release(job)
                 self._seq_of.pop(entry.request_id, None)
                 self.stats.failed += 1
-                return self._outcome(entry, "failed", code=code.name, message=msg)
+                return entry.outcome("failed", code=code.name, message=msg)
             entry.compiled = job.result
             entry.compile_ms = job.compile_ms
             self.service.release(job)
-        self.cache.put(entry.spec.key, entry.compiled)
+        self.caches.compiled.put(entry.spec.key, entry.compiled)
         self._running[entry.request_id] = entry
         self.stats.admitted += 1
-        return self._outcome(entry, "admitted")
+        return entry.outcome("admitted")
 
-    def _fail(self, entry: _Entry, reason: int) -> Outcome:
+    def _fail(self, entry: Entry, reason: int, decision: Decision) -> Outcome:
+        """Fail ``entry`` as decided, with a message that is the same on every rank.
+
+        Failed everywhere (or where the report cannot say where): this
+        rank's own cause, the same text on every rank that failed alike.
+        Failed on some members only: the agreed fact of where, and the
+        ranks that failed log their own cause.
+        """
         code = ErrorCode.name_of(reason)
-        message = f"failed on another rank of the agreement group ({code})"
+        ranks = decision.failed_ranks(entry.seq)
+        where = f"rank(s) {list(ranks)}" if ranks else "another rank"
+        message = f"failed on {where} of the agreement group ({code})"
         job = entry.job
         if job is not None:
             entry.compile_ms = job.compile_ms
-            if job.error is not None and int(job.error[0]) == reason:
+            mine = job.error is not None and int(job.error[0]) == reason
+            if mine and (ranks is None or decision.failed_everywhere(entry.seq)):
                 message = job.error[1]
+            elif mine:
+                logger.warning("request %s failed here: %s", entry.request_id, job.error[1])
             self.service.release(job)
-        hit = self.poison.get(entry.spec.key, self.agreed_ms)
+        hit = self.caches.poisoned(entry.spec.key)
         if hit is not None and hit.reason == reason:
             message = f"poisoned key: {hit.message}"
-        kind = _POISON_KIND.get(reason)
-        if kind is not None and hit is None:
-            self.poison.poison(entry.spec.key, kind, reason, message, self.agreed_ms)
-            self._new_failures.append(PoisonRecord(entry.spec.key, reason, self.agreed_ms))
+        # The rank that decided shares the key; a follower's decider does.
+        share = self.follow_wait_s is None
+        self.caches.record_failure(entry.spec.key, reason, message, share=share)
         self._seq_of.pop(entry.request_id, None)
         self.stats.failed += 1
-        return self._outcome(entry, "failed", code=code, message=message)
+        return entry.outcome("failed", code=code, message=message)
 
     def new_failures(self) -> list[PoisonRecord]:
         """Keys this rank poisoned since the last call (to share with DP peers)."""
-        out, self._new_failures = self._new_failures, []
-        return out
+        return self.caches.new_failures()
 
     def apply_poison(self, records: Iterable[PoisonRecord]) -> None:
         """Poison keys decided elsewhere; TTLs run from each record's clock."""
-        for r in records:
-            kind = _POISON_KIND.get(r.reason)
-            if kind is not None:
-                msg = f"{ErrorCode.name_of(r.reason)} (on another replica, or an earlier attempt)"
-                self.poison.poison(r.key, kind, r.reason, msg, r.clock_ms)
+        self.caches.apply(records)
 
     # -- running requests ---------------------------------------------------
 
@@ -398,8 +363,12 @@ class GrammarManager:
             return "running"
         return "waiting"
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; True if it was live."""
+    def release(self, request_id: str) -> bool:
+        """Drop a request wherever it is (queued, pending or running); whether it was live.
+
+        A finished, aborted or failed request alike: the compiled grammar
+        stays in the cache.
+        """
         seq = self._seq_of.pop(request_id, None)
         if seq is None:
             return False
@@ -412,10 +381,37 @@ class GrammarManager:
         self._fill_window()
         return True
 
-    def finish(self, request_id: str) -> None:
-        """Forget a finished request."""
-        if self._running.pop(request_id, None) is not None:
-            self._seq_of.pop(request_id, None)
+    def lookup(self, spec: Any) -> Lookup:
+        """The caches' answer for ``spec`` now, queueing nothing (see ``Lookup``)."""
+        try:
+            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
+        except SpecError:
+            return Lookup(None, None, None)
+        compiled = self.caches.compiled.get(gspec.key)
+        failed = (
+            None if compiled is not None else self._poisoned_outcome(Entry(-1, "", gspec, "none"))
+        )
+        return Lookup(gspec.key, compiled, failed)
+
+    def poison_spec(self, spec: Any, code: ErrorCode, message: str) -> bool:
+        """Poison ``spec``'s key here (a host's own timeout); whether it did."""
+        try:
+            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
+        except SpecError:
+            return False
+        return self.caches.poison_here(gspec.key, code, message)
+
+    def compiled_here(self, request_id: str) -> bool:
+        """Whether this rank's compile of a pending request has ended (well or not).
+
+        True as well for a request no longer pending (decided, or unknown):
+        only the decision in ``step`` says what becomes of it.
+        """
+        seq = self._seq_of.get(request_id)
+        entry = self._pending.get(seq) if seq is not None else None
+        if entry is None:
+            return self.state_of(request_id) != "waiting"
+        return self._state(entry)[0] != PendingState.PENDING
 
     def matcher(self, request_id: str) -> xgr.GrammarMatcher:
         """A fresh matcher on the request's shared compiled grammar."""
@@ -439,16 +435,3 @@ class GrammarManager:
 
     def close(self) -> None:
         self.service.close()
-
-    def _outcome(self, entry: _Entry, status: str, *, code: str | None = None, message: str = ""):
-        return Outcome(
-            request_id=entry.request_id,
-            seq=entry.seq,
-            status=status,
-            cache=entry.cache,
-            code=code,
-            message=message,
-            warnings=entry.warnings,
-            compile_ms=round(entry.compile_ms, 3),
-            end_check=entry.spec.text if entry.spec.end_check and status == "admitted" else None,
-        )

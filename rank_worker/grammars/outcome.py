@@ -1,7 +1,8 @@
-"""What the grammar manager says of a request, and its counters.
+"""What the grammar manager holds and says of a request, and its counters.
 
+``Entry`` is a request as the manager holds it (``grammars.manager``).
 ``Outcome`` is the one record of a request's admission that every layer
-passes around (the session, our step loop, the integrations, ``check``);
+passes around (the per-rank API, our step loop, the integrations, ``check``);
 ``ManagerStats`` are the manager's counters, read by ``summary.json``;
 ``refuse_seq`` and ``refuse_id`` are the one check of sequence numbers and
 request ids.
@@ -10,11 +11,13 @@ request ids.
 from __future__ import annotations
 
 from collections.abc import Container
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
 from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 CacheStatus = Literal["miss", "hit", "joined", "poisoned", "none"]
@@ -35,6 +38,36 @@ class Outcome(msgspec.Struct, kw_only=True):
     # the canonical schema its finished output is validated against
     # (``grammars.end_check``); None when the grammar enforces it all.
     end_check: str | None = None
+
+
+@dataclass(eq=False)
+class Entry:
+    """One request held by the manager: waiting, pending or running."""
+
+    seq: int
+    request_id: str
+    spec: GrammarSpec
+    cache: CacheStatus
+    compiled: Any = None
+    # The compile job (``compile_service.CompileJob``) while one runs.
+    job: Any = None
+    warnings: tuple[str, ...] = ()
+    compile_ms: float = 0.0
+
+    def outcome(self, status: str, *, code: str | None = None, message: str = "") -> Outcome:
+        """This request's ``Outcome`` with ``status``."""
+        spec = self.spec
+        return Outcome(
+            request_id=self.request_id,
+            seq=self.seq,
+            status=status,  # type: ignore[arg-type]
+            cache=self.cache,
+            code=code,
+            message=message,
+            warnings=self.warnings,
+            compile_ms=round(self.compile_ms, 3),
+            end_check=spec.text if spec.end_check and status == "admitted" else None,
+        )
 
 
 class ManagerStats(msgspec.Struct, kw_only=True):

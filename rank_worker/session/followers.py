@@ -17,8 +17,9 @@ leader decided this step, and the decision and poison behind them.
   ``grammar.compile_timeout_s`` is returned in ``stage_failed``; the host
   must end it everywhere.
 
-Followers call ``finish`` / ``abort`` for the same requests on the same step
-as their leader, like every other call of the scheduler.
+Followers call ``release`` for the same requests on the same step as their
+leader, like every other call of the scheduler. The leader's side is
+``NoteSender``.
 """
 
 from __future__ import annotations
@@ -77,6 +78,31 @@ def decided(outcomes: list[Outcome]) -> tuple[DecidedRequest, ...]:
         for o in outcomes
         if o.status in ("admitted", "failed") and o.seq >= 0
     )
+
+
+class NoteSender:
+    """The TP leader's side: one ``FollowerNote`` to every follower after each step."""
+
+    def __init__(self, link: ByteLink, ranks: tuple[int, ...]) -> None:
+        self._link, self._ranks = link, ranks
+        self._refused: list[Outcome] = []
+
+    def refused(self, outcome: Outcome) -> None:
+        """A request ``submit`` failed at once: the followers learn it with the next note."""
+        self._refused.append(outcome)
+
+    def send(self, step: int, outcomes: list[Outcome], decision: Any, poison: Any) -> None:
+        """Send this step's outcomes, with the decision and poison behind them."""
+        note = FollowerNote(
+            step=step,
+            decided=decided(self._refused + outcomes),
+            decision=decision,
+            poison=poison,
+        )
+        self._refused = []
+        data = encode_note(note)
+        for r in self._ranks:
+            self._link.send(r, data, operation="follower note", step=step)
 
 
 class FollowerBook:
@@ -226,22 +252,13 @@ class TpFollower:
             return self._book.state_of(request_id)
         return self._manager.state_of(request_id)
 
-    def finish(self, request_id: str) -> None:
-        """Forget a finished request (the same step as the leader)."""
-        if self._on_end is not None:
-            self._on_end(request_id)
-        if self._book is not None:
-            self._book.forget(request_id)
-        else:
-            self._manager.finish(request_id)
-
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is; whether it was live."""
+    def release(self, request_id: str) -> bool:
+        """The request ended (the same step as the leader): drop it; whether it was live."""
         if self._on_end is not None:
             self._on_end(request_id)
         if self._book is not None:
             return self._book.forget(request_id)
-        return self._manager.abort(request_id)
+        return self._manager.release(request_id)
 
     def close(self) -> None:
         """Stop the compile pool (``fill``)."""

@@ -1,9 +1,12 @@
-"""The stage leader's role: admit requests and agree on them once per step.
+"""The per-rank API every host uses: submit, step, grammar, release, close.
 
-Every pipeline stage's leader holds one ``StageLeader`` (``session.leader``).
-It owns the rank's ``GrammarManager`` and, in a multi-rank world, the
-``Coordinator`` that drives it; the manager is the coordinator's ``Member``
-itself. What happens in ``step`` depends on the stage:
+``StageLeader`` is what a rank that schedules constrained requests calls
+(``session.leader``): gramcoord's own engine, Hugging Face ``generate``,
+and the vLLM and SGLang adapters (``StageLeader.for_host``, over their
+engine's process group). It owns the rank's ``GrammarManager`` and, in a
+multi-rank world, the ``Coordinator`` that drives it (the one agreement);
+the manager is the coordinator's ``Member`` itself. What happens in
+``step`` depends on the stage:
 
 - a **decider** (stage 0, or every stage with ``pp_sync: collective``)
   posts the poison exchange, agrees on readiness with its peers, sends the
@@ -14,7 +17,9 @@ itself. What happens in ``step`` depends on the stage:
   fails on this stage alone and comes back in ``StepOutcome.stage_failed``.
 
 A leader whose TP workers run schedulers of their own (``parallel.
-tp_followers``) sends them a ``FollowerNote`` after every step.
+tp_followers``) sends them a ``FollowerNote`` after every step. Hosts whose
+scheduler waits on a ``Future`` per request wrap the leader in
+``session.futures.GrammarFutures``.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ import numpy as np
 from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.coordinator import Coordinator
+from gramcoord.coordinator.groups import HostGroup
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.poison_share import PoisonShare
 from gramcoord.coordinator.status import PoisonRecord
-from gramcoord.rank_worker.grammars.manager import GrammarManager, stage_wait_s
+from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammars.manager import GrammarManager, Lookup
 from gramcoord.rank_worker.grammars.outcome import Outcome
-from gramcoord.rank_worker.session.followers import FollowerNote, decided, encode_note
+from gramcoord.rank_worker.session.followers import NoteSender
 from gramcoord.rank_worker.session.types import StepOutcome
 
 logger = logging.getLogger(__name__)
@@ -43,6 +49,22 @@ logger = logging.getLogger(__name__)
 # grammar states), and with each request that ends.
 Admitted = Callable[[list[Outcome]], None]
 Ended = Callable[[str], None]
+
+# The follower wait is capped at this share of the step timeout (see
+# ``stage_wait_s``).
+STAGE_WAIT_SHARE = 0.5
+
+
+def stage_wait_s(compile_timeout_s: float, step_timeout_s: float) -> float:
+    """How long a rank that follows a decision waits for its own compiles, per step.
+
+    A later pipeline stage and a ``fill`` TP follower both wait up to the
+    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout. A
+    gloo send completes only once its receiver has posted the receive, so a
+    follower that waits holds the decider back by as long: the decider must
+    never take a waiting follower for a lost one.
+    """
+    return min(compile_timeout_s, step_timeout_s * STAGE_WAIT_SHARE)
 
 
 class StageLeader:
@@ -62,7 +84,7 @@ class StageLeader:
         comm: Comm | None = None,
         on_admitted: Admitted | None = None,
         on_end: Ended | None = None,
-        notes: tuple[ByteLink, tuple[int, ...]] | None = None,
+        notes: NoteSender | None = None,
     ) -> None:
         self._manager = manager
         self._coordinator = coordinator
@@ -71,7 +93,6 @@ class StageLeader:
         self._on_admitted = on_admitted
         self._on_end = on_end
         self._notes = notes
-        self._submit_failed: list[Outcome] = []
 
     @classmethod
     def build(
@@ -110,6 +131,36 @@ class StageLeader:
             manager.follow(wait)
         return cls(manager, coordinator, rank=comm.rank, comm=comm, **roles)
 
+    @classmethod
+    def for_host(
+        cls,
+        manager: GrammarManager,
+        group: Any | None,
+        distributed: DistributedConfig | None = None,
+    ) -> StageLeader:
+        """The per-rank API inside a host engine, agreeing over the host's own group.
+
+        Parameters
+        ----------
+        manager:
+            The rank's manager (its compile function is the host's).
+        group:
+            The gloo process group of the ranks that schedule the same
+            request stream (vLLM's TP group under ``external_launcher``,
+            SGLang's sync group); ``None`` or a group of one decides alone.
+            Every member runs the same agreement as gramcoord's own engine
+            (``coordinator.Agreement``): ready on every member, failed on any,
+            the agreed clock, divergence naming the ranks.
+        distributed:
+            Deadlines (``step_timeout_s``) and the agreement's options.
+        """
+        distributed = distributed or DistributedConfig()
+        comm = HostGroup(group, step_timeout_s=distributed.step_timeout_s)
+        if comm.size == 1:
+            return cls(manager, None)
+        layout = ParallelLayout(dp=comm.size, pp=1, tp=1, requests="replicated")
+        return cls.build(manager, layout, comm, distributed)
+
     @property
     def follows(self) -> bool:
         """Whether this stage applies decisions made on stage 0 (``pp_sync: chain``)."""
@@ -144,7 +195,7 @@ class StageLeader:
         """
         outcome = self._manager.add(request_id, spec, seq=seq, max_tokens=max_tokens)
         if outcome.status == "failed" and self._notes is not None:
-            self._submit_failed.append(outcome)
+            self._notes.refused(outcome)
         return outcome
 
     def request_state(self, request_id: str) -> str:
@@ -162,17 +213,71 @@ class StageLeader:
         ``has_waiting_grammars`` asks this before its per-step sync."""
         return self._manager.num_pending + self._manager.num_waiting
 
-    def finish(self, request_id: str) -> None:
-        """Forget a finished request (every stage leader, the same step); unknown ids are ignored."""
-        if self._on_end is not None:
-            self._on_end(request_id)
-        self._manager.finish(request_id)
+    def release(self, request_id: str) -> bool:
+        """The request ended (finished, aborted or failed): drop it wherever it is.
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is (queued, pending or running); whether it was live."""
+        Call it on every rank of the group at the same point. Unknown ids
+        are ignored; the compiled grammar stays in the cache.
+
+        Returns
+        -------
+        bool
+            Whether the request was live here.
+        """
         if self._on_end is not None:
             self._on_end(request_id)
-        return self._manager.abort(request_id)
+        return self._manager.release(request_id)
+
+    def compiled(self, request_id: str) -> Any:
+        """The admitted request's compiled grammar (``xgrammar.CompiledGrammar``).
+
+        Hosts build their own matchers over it (vLLM's and SGLang's grammar
+        objects). Raises ``KeyError`` for a request not admitted.
+        """
+        return self._manager.compiled(request_id)
+
+    def lookup(self, spec: Any) -> Lookup:
+        """What the caches hold for ``spec`` now, submitting nothing.
+
+        Its key, and its compiled grammar on a cache hit or the failed
+        outcome of a poisoned key. The same on every rank of the group (the
+        caches change only at agreed points), so a host may serve a hit or
+        refuse a poisoned key without a ``step``.
+        """
+        return self._manager.lookup(spec)
+
+    def poison(self, spec: Any, code: ErrorCode, message: str) -> bool:
+        """Poison ``spec``'s key on this rank (a host's own compile timeout); whether it did."""
+        return self._manager.poison_spec(spec, code, message)
+
+    def clear_cache(self) -> None:
+        """Drop the compiled grammars (a host's cache flush); poisoned keys stay."""
+        self._manager.caches.clear_compiled()
+
+    def compiled_here(self, request_id: str) -> bool:
+        """Whether this rank's own compile of ``request_id`` ended (the decision may not have)."""
+        return self._manager.compiled_here(request_id)
+
+    def wait_compiles(self, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s`` on the oldest unfinished compile (never spins); whether done."""
+        return self._manager.wait_pending(timeout_s)
+
+    @property
+    def num_live(self) -> int:
+        """Requests held anywhere (queued, pending or running); 0 when idle."""
+        return self._manager.num_live
+
+    @property
+    def num_collectives(self) -> int:
+        """Agreement collectives this rank has run."""
+        c = self._coordinator
+        return c.agreement.collectives if c is not None and c.agreement is not None else 0
+
+    @property
+    def group_size(self) -> int:
+        """Members of this rank's agreement group (1 when it decides alone)."""
+        c = self._coordinator
+        return len(c.agreement.members) if c is not None and c.agreement is not None else 1
 
     # -- per step ---------------------------------------------------------------
 
@@ -214,7 +319,8 @@ class StageLeader:
         admitted = [o for o in outcomes if o.status == "admitted"]
         failed = [o for o in outcomes if o.status == "failed"]
         if self._notes is not None:
-            self._send_note(step, outcomes, result)
+            decision = result.decision if result is not None else None
+            self._notes.send(step, outcomes, decision, result.poison if result else ())
         if admitted and self._on_admitted is not None:
             self._on_admitted(admitted)
         all_idle = None
@@ -225,19 +331,6 @@ class StageLeader:
         return StepOutcome(
             admitted, failed, [o for o in failed if o.seq in ready], all_idle=all_idle
         )
-
-    def _send_note(self, step: int, outcomes: list[Outcome], result) -> None:
-        link, ranks = self._notes
-        note = FollowerNote(
-            step=step,
-            decided=decided(self._submit_failed + outcomes),
-            decision=result.decision if result is not None else None,
-            poison=result.poison if result is not None else (),
-        )
-        self._submit_failed = []
-        data = encode_note(note)
-        for r in ranks:
-            link.send(r, data, operation="follower note", step=step)
 
     def carry_poison(self, records: list[PoisonRecord]) -> None:
         """Poison keys an earlier attempt of this run found invalid (before step 0).

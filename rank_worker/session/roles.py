@@ -31,14 +31,14 @@ from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
-from gramcoord.rank_worker.grammars.manager import GrammarManager, stage_wait_s
+from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.jump_forward import JumpForward
 from gramcoord.rank_worker.session.applier import MaskApplier
-from gramcoord.rank_worker.session.followers import FollowerBook, TpFollower
-from gramcoord.rank_worker.session.leader import StageLeader
+from gramcoord.rank_worker.session.followers import FollowerBook, NoteSender, TpFollower
+from gramcoord.rank_worker.session.leader import StageLeader, stage_wait_s
 from gramcoord.rank_worker.session.masks import StageMasks
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
 from gramcoord.rank_worker.session.types import SessionConfig, SessionStats
@@ -168,7 +168,7 @@ def build_roles(
         "on_end": masks.forget if masks is not None else None,
     }
     if is_leader:
-        notes = (link, group[1:]) if followers != "none" else None
+        notes = NoteSender(link, group[1:]) if followers != "none" else None
         roles.leader = StageLeader.build(
             roles.manager, layout, runtime, config.distributed, notes=notes, **hooks
         )

@@ -107,8 +107,7 @@ def agreement_body(rank, world, delays_by_rank):
             time.sleep(0.01)
         timed_out = [s for s in SPECS if delays_by_rank[rank].get(s["regex"], 0) > 1]
         poisoned = {
-            _key(s): manager.poison.get(bytes.fromhex(_key(s)), manager.agreed_ms) is not None
-            for s in SPECS
+            _key(s): manager.caches.poisoned(bytes.fromhex(_key(s))) is not None for s in SPECS
         }
     manager.close()
     return dict(
@@ -117,7 +116,7 @@ def agreement_body(rank, world, delays_by_rank):
         outcomes=sorted(outcomes),
         poisoned=poisoned,
         timed_out=timed_out,
-        agreed_ms=manager.agreed_ms,
+        agreed_ms=manager.caches.agreed_ms,
     )
 
 
@@ -171,6 +170,6 @@ def poison_body(rank, world, steps, re_add_step):
         outcomes=outcomes,
         shared_at=shared_at,
         compiles_of_slow=backend.calls.get(slow, 0),
-        agreed_ms=manager.agreed_ms,
+        agreed_ms=manager.caches.agreed_ms,
         poison_exchanges=coordinator.poison.exchanges,
     )

@@ -275,7 +275,7 @@ def test_partition_every_side_names_the_other(hosts, tmp_path):
     b_hung = b.rank_exit is None
     _close_clean(hosts, run_id)  # also ends a hung host B
     # Rank 1's roll call asks the store on host A, which the partition cut
-    # off: coordinator.roll_call bounds it on a thread (a blocked TCPStore.check
+    # off: coordinator.runtime.roll_call bounds it on a thread (a blocked TCPStore.check
     # has no deadline of its own).
     assert not b_hung, report
     assert b.rank_exit - t_fault <= BOUND_S, report

@@ -85,7 +85,7 @@ def scheduler_body(rank: int, world: int, mode: str, max_tokens: int = 64) -> di
                     ended = masks.advance(r, [t])
                     if ended or len(running[r]) >= max_tokens:
                         outputs[r] = ("ok", tok.decode(running.pop(r)))
-                        sched.finish(r)
+                        sched.release(r)
             else:
                 time.sleep(0.005)
             step += 1

@@ -65,8 +65,12 @@ def test_mismatched_queues_never_admit_the_wrong_request(results) -> None:
     assert [row[1] for row in b] == ["c1"]
     for row in (a[0], b[0]):
         assert row[2].startswith("aborted: ")
-        assert "ranks [1] of SGLang's sync group report" in row[2]
-        assert "first differing pending request is number 0 (pending per rank: [2, 1])" in row[2]
+        # The one agreement's divergence: the code, what each rank holds
+        # (pending per rank: 2 and 1), and the first differing request.
+        assert "grammar_divergence: pending sets diverged" in row[2]
+        assert "ranks [0] hold 2 in the window" in row[2]
+        assert "ranks [1] hold 1 in the window" in row[2]
+        assert "first differing request at window position 0" in row[2]
     assert a[0][2] == b[0][2]  # one message on every rank
     assert a[0][0] == b[0][0]  # the same iteration
     # Then only rank 0 has a queued request: SGLang's own all_gather fails

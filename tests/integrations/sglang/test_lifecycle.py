@@ -63,12 +63,12 @@ def test_abort_releases_our_state(held, manager) -> None:
     backend = manager.grammar_backend
     req = Req("r0", schemas()[0])
     assert manager.process_req_with_grammar(req)
-    assert backend.agreement.num_pending == 1
+    assert backend.grammars.num_undecided == 1
     manager.abort_requests(SimpleNamespace(rid="r0", abort_all=False))
     (back,) = manager.get_ready_grammar_requests()
     assert back is req and req.finished()
-    assert backend.agreement.num_pending == 0
-    assert backend.manager.num_live == 0
+    assert backend.grammars.num_undecided == 0
+    assert backend.leader.num_live == 0
 
 
 def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
@@ -80,11 +80,11 @@ def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
         "t0",
         f"aborted: Grammar preprocessing timed out: req.grammar_key={('json', schema)!r}",
     )
-    assert backend.manager.num_live == 0
+    assert backend.leader.num_live == 0
     again = Req("t1", schema)
     assert not manager.process_req_with_grammar(again)  # refused at once: poisoned
     assert "grammar_timeout: poisoned key" in again.finished_reason
-    (entry,) = backend.manager.poison._items.values()
+    (entry,) = backend.leader._manager.caches.poison._items.values()
     assert entry.expires_ms > 0  # a TTL, not for ever
 
 

@@ -38,7 +38,7 @@ def test_sglangs_create_grammar_backend_returns_ours() -> None:
     try:
         assert isinstance(backend, GramcoordBackend)
         assert isinstance(backend, BaseGrammarBackend)
-        assert backend.agreement.size == 1  # no sync group in one process
+        assert backend.leader.group_size == 1  # no sync group in one process
     finally:
         backend.close()
 

@@ -110,8 +110,8 @@ def main() -> None:
     backend = scheduler.structured_output_manager.backend
     result["_stats"] = {
         "num_live": backend.num_live,
-        "group_size": backend.agreement.size,
-        "collectives": backend.agreement.num_collectives,
+        "group_size": backend.leader.group_size,
+        "collectives": backend.leader.num_collectives,
         "async": scheduler.structured_output_manager._use_async_grammar_compilation,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))

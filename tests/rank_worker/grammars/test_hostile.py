@@ -41,7 +41,7 @@ def submit_line(session, entry: make_hostile.CorpusLine) -> tuple[str, object]:
     (decided,) = [o for o in admitted + failed if o.request_id == entry.id]
     if decided.status == "failed":
         return decided.code, decided
-    session.leader.finish(entry.id)
+    session.leader.release(entry.id)
     return "admitted", decided
 
 

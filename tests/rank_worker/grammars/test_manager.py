@@ -159,7 +159,7 @@ def test_saturation_fails_fast_and_recovers(tiny_tokenizer):
     assert (new.cache, fast.code) == ("miss", "grammar_pool_saturated")
     # Saturation is not the spec's fault: no poison.
     new_key = validate_spec({"regex": "[a-z]+"}, m.config, vocab="tiny").key
-    assert m.poison.get(new_key, m.agreed_ms) is None
+    assert m.caches.poisoned(new_key) is None
     backend.gate.set()
     end = time.monotonic() + 10
     while m.service.num_stuck():
@@ -213,9 +213,9 @@ def test_abort_pending_and_waiting(tiny_tokenizer):
     m, _, _ = make(tiny_tokenizer, backend, max_pending=1)
     m.add("a", SCHEMA_A)
     m.add("b", SCHEMA_B)
-    assert m.abort("b") and m.num_waiting == 0
-    assert m.abort("a") and m.num_pending == 0
-    assert not m.abort("a")
+    assert m.release("b") and m.num_waiting == 0
+    assert m.release("a") and m.num_pending == 0
+    assert not m.release("a")
     backend.gate.set()
     assert m.step() == []
 
@@ -319,7 +319,7 @@ def test_abort_releases_the_job(tiny_tokenizer):
     assert backend.started.acquire(timeout=10)
     m.add("queued", SCHEMA_B)
     queued_job = m._pending[1].job
-    assert m.abort("queued") and m.abort("running")
+    assert m.release("queued") and m.release("running")
     assert m.service.inflight(queued_job.key) is None
     # The queued job is never compiled for nobody.
     assert queued_job.done.is_set() and queued_job.error[0] is ErrorCode.aborted

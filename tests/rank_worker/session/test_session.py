@@ -112,7 +112,7 @@ def test_submit_duplicate_id_while_live_then_free_after_finish(tiny_session):
     assert [o.request_id for o in admitted] == ["dup"]
     assert s.masks.is_running("dup")
     assert s.leader.submit("dup", {"regex": "a"}).code == "duplicate_request_id"
-    s.leader.finish("dup")
+    s.leader.release("dup")
     assert not s.masks.is_running("dup")
     assert s.leader.submit("dup", {"regex": "a"}).status == "pending"
 
@@ -196,15 +196,12 @@ def test_advance_that_raises_leaves_state_unchanged(tiny_session):
     assert allowed(s.masks.bitmask(["a"]).rows[0], s.tokenizer.vocab_size) == {ord("a")}
 
 
-@pytest.mark.parametrize("how", ["finish", "abort"])
-def test_finish_and_abort_clear_the_stale_mark(tiny_session, how):
+def test_release_clears_the_stale_mark(tiny_session):
     s = tiny_session
     admit(s, [("a", {"regex": REGEX})])
     s.masks.bitmask(["a"])
-    result = getattr(s.leader, how)("a")
-    if how == "abort":
-        assert result is True
-        assert s.leader.abort("a") is False
+    assert s.leader.release("a") is True
+    assert s.leader.release("a") is False
     assert not s.masks.is_running("a")
     with pytest.raises(KeyError):
         s.masks.bitmask(["a"])
@@ -216,7 +213,7 @@ def test_finish_and_abort_clear_the_stale_mark(tiny_session, how):
 def test_abort_pending_request(tiny_session):
     s = tiny_session
     assert s.leader.submit("p", {"regex": "a"}).status == "pending"
-    assert s.leader.abort("p") is True
+    assert s.leader.release("p") is True
     admitted, failed = settle(s)
     assert not admitted and not failed
     assert not s.masks.is_running("p")
@@ -551,9 +548,9 @@ def test_request_state_follows_the_lifecycle(tiny_tokenizer):
         assert [o.request_id for o in admitted] == ["a"]
         assert session.leader.request_state("a") == "running"
         assert session.leader.request_state("b") == "pending"
-        session.leader.finish("a")
+        session.leader.release("a")
         assert session.leader.request_state("a") == "unknown"
-        assert session.leader.abort("b") and session.leader.request_state("b") == "unknown"
+        assert session.leader.release("b") and session.leader.request_state("b") == "unknown"
     finally:
         session.close()
 

@@ -1,0 +1,256 @@
+"""Which of gramcoord's files one request runs through, per host.
+
+``gramcoord bench request_path [ours|vllm|sglang ...]`` traces the Python
+calls made while one structured request goes from submission to release,
+in a process that has already served one request (so one-time set-up is
+not counted), and reports:
+
+- ``files``: gramcoord source files whose functions ran (module bodies, i.e.
+  imports, excluded), on every thread;
+- ``crossings``: distinct caller -> callee file pairs whose top-level
+  folders differ (``coordinator/``, ``rank_worker/``, ``integrations/``, ...).
+
+Hosts:
+
+- ``ours``: gramcoord's own engine in one process (the inline launcher's
+  rank body: session, step loop, grammars, masks), one JSON-schema request;
+- ``vllm``: a real vLLM 0.32 engine (needs vLLM; the tiny random-weight model
+  is built offline) with ``backend="gramcoord"``, one ``LLM.generate`` call;
+- ``sglang``: SGLang 0.5.23's own ``GrammarManager`` over the registered
+  backend (needs SGLang's modules), one request from arrival to its first
+  mask, accepted tokens and abort.
+
+The rows are counts, not times: ``median_ms`` holds the file count and
+``baseline_median_ms`` the target (``ratio`` = target / files, so >= 1.0
+meets it). ``--list`` prints the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gramcoord.benchmarks._contract import BenchRecord
+
+# Targets (files on one request's path).
+TARGETS = {"ours": 25, "vllm": 8, "sglang": 8}
+_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+}
+
+
+def _roots() -> dict[str, str]:
+    """Top-level folder name -> its directory, for every gramcoord subpackage."""
+    import importlib
+
+    out = {}
+    for name in ("coordinator", "rank_worker", "sync", "launch", "integrations", "benchmarks"):
+        try:
+            mod = importlib.import_module(f"gramcoord.{name}")
+        except ImportError:
+            continue
+        for path in getattr(mod, "__path__", ()):
+            out[name] = str(Path(path).resolve())
+    for extra in ("engine",):
+        try:
+            mod = importlib.import_module(f"gramcoord.{extra}")
+        except ImportError:
+            continue
+        for path in getattr(mod, "__path__", ()):
+            out[extra] = str(Path(path).resolve())
+    return out
+
+
+class Tracer:
+    """Records gramcoord files entered (and cross-folder call edges) while on."""
+
+    def __init__(self) -> None:
+        self._roots = sorted(_roots().items(), key=lambda kv: -len(kv[1]))
+        self._folder_of: dict[str, str | None] = {}
+        self.on = False
+        self.files: set[str] = set()
+        self.edges: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def _folder(self, filename: str) -> str | None:
+        got = self._folder_of.get(filename, "?")
+        if got == "?":
+            got = None
+            real = os.path.realpath(filename)
+            for name, root in self._roots:
+                if real.startswith(root + os.sep):
+                    got = f"{name}/{os.path.relpath(real, root)}"
+                    break
+            self._folder_of[filename] = got
+        return got
+
+    def __call__(self, frame, event, arg) -> None:
+        if not self.on or event != "call":
+            return
+        code = frame.f_code
+        if code.co_name == "<module>":
+            return
+        callee = self._folder(code.co_filename)
+        if callee is None or callee.startswith("benchmarks/request_path"):
+            return
+        caller = None
+        back = frame.f_back
+        while back is not None:
+            caller = self._folder(back.f_code.co_filename)
+            if caller is not None:
+                break
+            back = back.f_back
+        with self._lock:
+            self.files.add(callee)
+            if caller is not None and caller.split("/")[0] != callee.split("/")[0]:
+                self.edges.add((caller, callee))
+
+    def install(self) -> None:
+        sys.setprofile(self)
+        threading.setprofile(self)
+
+    def remove(self) -> None:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+
+def _ours(tracer: Tracer) -> None:
+    from gramcoord.launch.config import ClusterConfig
+    from gramcoord.rank_worker.engine.loop import run_loop
+    from gramcoord.rank_worker.engine.models import make_model
+    from gramcoord.rank_worker.engine.requests import EngineRequest
+    from gramcoord.rank_worker.engine.sampler import Sampler
+    from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
+    from gramcoord.rank_worker.session.session import RankSession
+    from gramcoord.rank_worker.session.types import SessionConfig
+
+    config = ClusterConfig()
+    tokenizer = load_tokenizer(config.tokenizer)
+    session = RankSession.local(tokenizer, SessionConfig.of(config))
+    model = make_model(config.model, tokenizer)
+    sampler = Sampler(config.sampling)
+
+    def request(i: int) -> EngineRequest:
+        schema = dict(_SCHEMA, title=f"r{i}")
+        return EngineRequest(request_id=f"r{i}", spec={"json": schema}, max_tokens=24)
+
+    try:
+        run_loop(session, [request(0)], model, sampler, config.speculative)
+        tracer.on = True
+        run_loop(session, [request(1)], model, sampler, config.speculative)
+        tracer.on = False
+    finally:
+        session.close()
+
+
+def _vllm(tracer: Tracer) -> None:
+    from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
+
+    for k, v in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }.items():
+        os.environ.setdefault(k, v)
+    from gramcoord.integrations.vllm.plugin import register
+
+    register()
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with tempfile.TemporaryDirectory(prefix="gramcoord-path-") as tmp:
+        model = build_tiny_vllm_model(Path(tmp) / "model")
+        llm = LLM(
+            model=str(model),
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            seed=0,
+            structured_outputs_config={"backend": "gramcoord"},
+        )
+
+        def params(i: int) -> SamplingParams:
+            schema = dict(_SCHEMA, title=f"r{i}")
+            return SamplingParams(
+                max_tokens=16, structured_outputs=StructuredOutputsParams(json=schema)
+            )
+
+        llm.generate(["a"], params(0), use_tqdm=False)
+        tracer.on = True
+        llm.generate(["b"], params(1), use_tqdm=False)
+        tracer.on = False
+        del llm
+
+
+def _sglang(tracer: Tracer) -> None:
+    # SGLang's own batch and manager code over our backend, as the SGLang
+    # tests drive it (tests/integrations/sglang/host.py).
+    from tests.integrations.sglang.host import one_request_roundtrip  # type: ignore
+
+    one_request_roundtrip(lambda on: setattr(tracer, "on", on))
+
+
+HOSTS: dict[str, Callable[[Tracer], None]] = {"ours": _ours, "vllm": _vllm, "sglang": _sglang}
+
+
+def trace(host: str) -> Tracer:
+    tracer = Tracer()
+    tracer.install()
+    try:
+        HOSTS[host](tracer)
+    finally:
+        tracer.remove()
+    return tracer
+
+
+def run(args: list[str]) -> list[BenchRecord]:
+    p = argparse.ArgumentParser(prog="gramcoord bench request_path", description=__doc__)
+    p.add_argument("hosts", nargs="*", help=f"hosts to trace: {', '.join(HOSTS)} (default ours)")
+    p.add_argument("--list", action="store_true", help="print the files of each path")
+    a = p.parse_args(args)
+    records = []
+    for host in a.hosts or ["ours"]:
+        if host not in HOSTS:
+            p.error(f"unknown host {host!r}; choose from {', '.join(HOSTS)}")
+        t = trace(host)
+        folders = sorted({f.split("/")[0] for f in t.files})
+        if a.list:
+            print(f"{host}: {len(t.files)} files, {len(t.edges)} folder crossings")
+            for f in sorted(t.files):
+                print("   ", f)
+            for a_, b_ in sorted(t.edges):
+                print("    cross:", a_, "->", b_)
+        target = TARGETS[host]
+        n = len(t.files)
+        records.append(
+            BenchRecord(
+                name=f"request_path_{host}",
+                baseline="target_files",
+                median_ms=float(n),
+                baseline_median_ms=float(target),
+                ratio=round(target / n, 3) if n else 0.0,
+                target=1.0,
+                met=n <= target,
+                note=f"{n} files in {folders}; {len(t.edges)} folder crossings (counts, not ms)",
+            )
+        )
+    return records
+
+
+def main(argv: list[str] | None = None) -> Any:
+    for r in run(list(sys.argv[1:] if argv is None else argv)):
+        print(r.name, r.note)
+
+
+if __name__ == "__main__":
+    main()

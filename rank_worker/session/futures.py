@@ -1,0 +1,186 @@
+"""Grammar futures: the per-rank API for hosts whose scheduler waits on a ``Future``.
+
+vLLM parks a request until ``request.structured_output_request.grammar`` (a
+``concurrent.futures.Future``) is done; SGLang polls ``req.grammar.done()``
+and then calls ``result()``. ``GrammarFutures`` gives each submitted request
+such a ``Future`` and resolves it only from ``step`` -- the agreement of
+``StageLeader.step`` -- so every rank of the host's group admits or fails
+the same request at the same point, whenever its own compile finished.
+
+The host supplies two callbacks: ``admit(outcome)`` makes the value of an
+admitted request (its grammar object, over ``leader.compiled(request_id)``),
+and ``refuse(outcome)`` the value or exception of a failed one. The adapters
+(``integrations.vllm.backend``, ``integrations.sglang.backend``) hold one each.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from gramcoord.coordinator.errors import DivergenceError
+from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.session.leader import StageLeader
+
+logger = logging.getLogger(__name__)
+
+# Makes the value of a decided request; an exception returned by ``refuse``
+# is set on the Future as its exception.
+Admit = Callable[[Outcome], Any]
+Refuse = Callable[[Outcome], Any]
+
+
+class GrammarFutures:
+    """One rank's requests awaiting a decision, as ``Future``\\s; see the module docstring.
+
+    Parameters
+    ----------
+    leader:
+        The rank's per-rank API (``StageLeader.for_host``).
+    admit:
+        The value of an admitted request's Future.
+    refuse:
+        The value of a failed request's Future (an exception is set as one).
+    on_divergence:
+        ``"fail"``: when the ranks hold different pending requests, every
+        pending request fails here with ``grammar_divergence`` and a message
+        naming the ranks (the host aborts them; no rank admits a request
+        another lacks). ``"raise"``: the ``DivergenceError`` propagates.
+    """
+
+    def __init__(
+        self,
+        leader: StageLeader,
+        *,
+        admit: Admit,
+        refuse: Refuse,
+        on_divergence: str = "fail",
+    ) -> None:
+        self.leader = leader
+        self._admit = admit
+        self._refuse = refuse
+        self._on_divergence = on_divergence
+        self._lock = threading.RLock()
+        self._futures: dict[str, Future] = {}
+        self._step = 0
+
+    def submit(self, request_id: str, spec: Any, future: Future | None = None) -> Future:
+        """Queue one request; its Future resolves in a later ``step`` (or now, if refused).
+
+        A spec refused at once (invalid, poisoned key) is refused identically
+        on every rank, so its Future is resolved on the spot.
+        """
+        future = Future() if future is None else future
+        with self._lock:
+            outcome = self.leader.submit(request_id, spec)
+            if outcome.status == "failed":
+                self._resolve(future, outcome)
+            else:
+                self._futures[request_id] = future
+        return future
+
+    def step(self) -> int:
+        """Agree on the undecided requests; how many this decided.
+
+        Every rank of the group calls it at the same point of the host's
+        loop. No collective runs while nothing is undecided.
+
+        Raises
+        ------
+        PeerLostError
+            A member of the group died or hung.
+        DivergenceError
+            The members hold different requests and ``on_divergence`` is
+            ``"raise"``.
+        """
+        with self._lock:
+            if not self._futures:
+                return 0
+            self._step += 1
+            try:
+                decided = self.leader.step(self._step)
+            except DivergenceError as exc:
+                if self._on_divergence != "fail":
+                    raise
+                return self._fail_all(exc)
+            n = 0
+            for outcome in (*decided.admitted, *decided.failed):
+                future = self._futures.pop(outcome.request_id, None)
+                if future is not None:
+                    self._resolve(future, outcome)
+                    n += 1
+            return n
+
+    def release(self, request_id: str) -> None:
+        """The request ended (finished, aborted, or its Future was cancelled): drop it."""
+        with self._lock:
+            future = self._futures.pop(request_id, None)
+            if future is not None and not Future.done(future):
+                future.cancel()
+            self.leader.release(request_id)
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s`` on the oldest unfinished compile (never spins)."""
+        if self._futures:
+            self.leader.wait_compiles(timeout_s)
+
+    def compiled_here(self, request_id: str) -> bool:
+        """Whether this rank's own compile of ``request_id`` ended (SGLang's ``done()``)."""
+        with self._lock:
+            return request_id not in self._futures or self.leader.compiled_here(request_id)
+
+    def undecided(self, request_id: str) -> bool:
+        """Whether ``request_id`` still waits for a decision."""
+        return request_id in self._futures
+
+    @property
+    def num_undecided(self) -> int:
+        """Requests whose Future no decision resolved yet."""
+        return len(self._futures)
+
+    @property
+    def num_live(self) -> int:
+        """Every request still held here (undecided or running); 0 when idle."""
+        with self._lock:
+            return max(len(self._futures), self.leader.num_live)
+
+    def _resolve(self, future: Future, outcome: Outcome) -> None:
+        if Future.done(future):
+            return
+        try:
+            value = self._admit(outcome) if outcome.status == "admitted" else self._refuse(outcome)
+        except Exception as exc:  # building the host's grammar failed: this request only
+            logger.exception("gramcoord: request %s: making its grammar failed", outcome.request_id)
+            failed = Outcome(
+                request_id=outcome.request_id,
+                seq=outcome.seq,
+                status="failed",
+                code=ErrorCode.grammar_internal.name,
+                message=f"{type(exc).__name__}: {exc}",
+            )
+            value = self._refuse(failed)
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def _fail_all(self, exc: DivergenceError) -> int:
+        """The members hold different pending requests: fail all of them here."""
+        message = f"{exc}; every pending request fails on every rank"
+        logger.error("gramcoord: %s", message)
+        futures, self._futures = self._futures, {}
+        for request_id, future in futures.items():
+            self.leader.release(request_id)
+            failed = Outcome(
+                request_id=request_id,
+                seq=-1,
+                status="failed",
+                code=ErrorCode.grammar_divergence.name,
+                message=message,
+            )
+            self._resolve(future, failed)
+        return len(futures)
