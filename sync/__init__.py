@@ -29,7 +29,8 @@ from gramcoord.sync.messages import (
     Welcome,
 )
 from gramcoord.sync.receiver import BitmaskReceiver
-from gramcoord.sync.ring import BitmaskRing, RingHandle
+from gramcoord.sync.ring import BitmaskRing
+from gramcoord.sync.ring_layout import RingHandle
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -48,7 +48,8 @@ from gramcoord.sync.messages import (
     Shutdown,
     valid_reader_name,
 )
-from gramcoord.sync.ring import BitmaskRing, RingHandle
+from gramcoord.sync.ring import BitmaskRing
+from gramcoord.sync.ring_layout import RingHandle
 from gramcoord.sync.roster import Roster
 
 logger = logging.getLogger(__name__)
