@@ -37,8 +37,9 @@ import msgspec
 import numpy as np
 
 from gramcoord.sync.config import TransportConfig
-from gramcoord.sync.control import ControlServer, local_hostname
+from gramcoord.sync.control import ControlServer
 from gramcoord.sync.errors import PeerGone, TransportError, TransportTimeout, quote_names
+from gramcoord.sync.hosts import local_hostname
 from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     READER_NAME_PATTERN,

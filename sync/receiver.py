@@ -40,7 +40,7 @@ import numpy as np
 import zmq
 
 from gramcoord.sync.channel import ChannelHandle
-from gramcoord.sync.control import ControlClient, choose_mode, local_hostname, pid_alive
+from gramcoord.sync.control import ControlClient
 from gramcoord.sync.errors import (
     ChannelClosed,
     HandshakeError,
@@ -49,6 +49,7 @@ from gramcoord.sync.errors import (
     TransportTimeout,
     WriterLost,
 )
+from gramcoord.sync.hosts import choose_mode, local_hostname, pid_alive
 from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     READER_NAME_PATTERN,

@@ -14,8 +14,9 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from gramcoord.sync.control import ControlServer, choose_mode, pid_alive
+from gramcoord.sync.control import ControlServer
 from gramcoord.sync.errors import HandshakeError, PeerGone, TransportError, quote_names
+from gramcoord.sync.hosts import choose_mode, pid_alive
 from gramcoord.sync.messages import PROTOCOL_VERSION, Bye, Hello, ReaderMessage, Release, Welcome
 from gramcoord.sync.ring import BitmaskRing
 
