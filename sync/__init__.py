@@ -7,7 +7,7 @@ with a :class:`BitmaskReceiver` built from the channel's
 workers elsewhere get the same bytes as raw zmq frames. Nothing is pickled.
 """
 
-from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
+from gramcoord.sync.channel import BitmaskChannel
 from gramcoord.sync.config import TransportConfig
 from gramcoord.sync.errors import (
     ChannelClosed,
@@ -18,6 +18,7 @@ from gramcoord.sync.errors import (
     TransportTimeout,
     WriterLost,
 )
+from gramcoord.sync.handle import ChannelHandle
 from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     BitmaskFrame,
