@@ -5,6 +5,9 @@ The writer (stage leader) owns a :class:`BitmaskChannel`: a shared-memory
 with a :class:`BitmaskReceiver` built from the channel's
 :class:`ChannelHandle`. Workers on the leader's host read slots in place;
 workers elsewhere get the same bytes as raw zmq frames. Nothing is pickled.
+
+A rank's session (``rank_worker.session``) is the caller: its stage leader
+owns the channel and each TP worker a receiver.
 """
 
 from gramcoord.sync.channel import BitmaskChannel
