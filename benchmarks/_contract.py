@@ -123,6 +123,21 @@ def median_ms(fn: Callable[[], object], *, repeat: int = 21, warmup: int = 2) ->
     return statistics.median(samples)
 
 
+def interleaved_ms(fns: dict, repeat: int) -> dict[str, float]:
+    """Median ms of each function, measured in alternating rounds of ``median_ms``.
+
+    The machine is shared, so load drifts; alternating short rounds puts every
+    contender under the same drift. The order is fixed, so every rank of a
+    multi-rank benchmark runs the same sequence and its collectives pair up.
+    """
+    rounds = max(3, repeat // 5)
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(median_ms(fn, repeat=5, warmup=1))
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
 def format_table(records: list[BenchRecord]) -> str:
     header = ("name", "baseline", "ours ms", "base ms", "ratio", "target", "met", "note")
     rows = [

@@ -5,7 +5,7 @@ size on 127.0.0.1 (one replicated agreement group of every rank) and, for
 each ``--pending`` count, measures in one run, interleaved:
 
 - ``sglang_object``: SGLang-style ``all_gather_object`` of the ready/failed
-  index sets, then intersection/union (``benchmarks.agreement._sglang_step``);
+  index sets, then intersection/union (``benchmarks._agreement_sglang.sglang_step``);
 - ``gather``: ``Agreement(op="all_gather")``: the fixed-shape report exchanged
   with one ``all_to_all_single`` (``Runtime.all_gather``);
 - ``reduce``: ``Agreement(op="all_reduce")``: the fixed-size ``all_reduce(BAND)``;
@@ -52,10 +52,10 @@ import sys
 import time
 from pathlib import Path
 
-from gramcoord.benchmarks._contract import BenchRecord
+from gramcoord.benchmarks._agreement_sglang import local_status, sglang_step
+from gramcoord.benchmarks._contract import BenchRecord, interleaved_ms
 from gramcoord.benchmarks._scale_hosts import placement, sigterm_unwinds
 from gramcoord.benchmarks._scale_plot import write_svg
-from gramcoord.benchmarks.agreement import _interleaved, _local_status, _sglang_step
 from gramcoord.launch.procs import free_port, run_procs
 
 CHILD_TIMEOUT_S = 300
@@ -131,7 +131,7 @@ def _rows(rank, world, args, runtime, obj_group, levels):
     pg = runtime.process_group("agreement")
     rows = []
     for pending in args.pending:
-        status = _local_status(pending, rank, world)
+        status = local_status(pending, rank, world)
         agree, ways = _flat_and_levels(rank, pending, runtime, levels)
         counters = {name: iter(range(1, 10**9)) for name in agree}
 
@@ -141,7 +141,7 @@ def _rows(rank, world, args, runtime, obj_group, levels):
         # The same decision on every path; two-level ones equal to the flat ones exactly.
         decided = {name: ours(name) for name in agree}
         d_gather, d_reduce = decided["gather"], decided["reduce"]
-        ready, failed = _sglang_step(status, obj_group, None, None, False, world)
+        ready, failed = sglang_step(status, obj_group, None, None, False, world)
         seqs = status.seqs
         same = (d_gather.ready, d_gather.failed) == (d_reduce.ready, d_reduce.failed)
         same = same and set(d_gather.ready) == {seqs[i] for i in ready}
@@ -167,13 +167,13 @@ def _rows(rank, world, args, runtime, obj_group, levels):
 
         P = functools.partial
         fns = {
-            "object": P(_sglang_step, status, obj_group, None, None, False, world),
+            "object": P(sglang_step, status, obj_group, None, None, False, world),
             **{name: P(ours, name) for name in agree},
             "object_floor": P(dist.all_gather_object, [None] * world, blob, group=obj_group),
             "gather_floor": P(dist.all_to_all_single, a2a_recv, a2a_send, group=pg),
             "reduce_floor": P(dist.all_reduce, red, op=dist.ReduceOp.BAND, group=pg),
         }
-        times = _interleaved(fns, args.repeat)
+        times = interleaved_ms(fns, args.repeat)
         rows.append(
             dict(pending=pending, times=times, wire=_wire(world, levels, sizes, g_size, r_size))
         )

@@ -5,9 +5,12 @@ The writer (stage leader) owns a :class:`BitmaskChannel`: a shared-memory
 with a :class:`BitmaskReceiver` built from the channel's
 :class:`ChannelHandle`. Workers on the leader's host read slots in place;
 workers elsewhere get the same bytes as raw zmq frames. Nothing is pickled.
+
+A rank's session (``rank_worker.session``) is the caller: its stage leader
+owns the channel and each TP worker a receiver.
 """
 
-from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
+from gramcoord.sync.channel import BitmaskChannel
 from gramcoord.sync.config import TransportConfig
 from gramcoord.sync.errors import (
     ChannelClosed,
@@ -18,6 +21,7 @@ from gramcoord.sync.errors import (
     TransportTimeout,
     WriterLost,
 )
+from gramcoord.sync.handle import ChannelHandle
 from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     BitmaskFrame,
@@ -29,7 +33,8 @@ from gramcoord.sync.messages import (
     Welcome,
 )
 from gramcoord.sync.receiver import BitmaskReceiver
-from gramcoord.sync.ring import BitmaskRing, RingHandle
+from gramcoord.sync.ring import BitmaskRing
+from gramcoord.sync.ring_layout import RingHandle
 
 __all__ = [
     "PROTOCOL_VERSION",

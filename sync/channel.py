@@ -1,8 +1,10 @@
 """The writer's end of the bitmask transport: a ring plus a control plane.
 
-A stage leader builds one :class:`BitmaskChannel` naming its TP workers,
-hands :attr:`BitmaskChannel.handle` to them (it is a small msgspec Struct:
-encode it, broadcast it, or pickle it) and calls :meth:`~BitmaskChannel.accept`.
+A stage leader (its session's roles, ``rank_worker.session.roles``) builds
+one :class:`BitmaskChannel` naming its TP workers, hands
+:attr:`BitmaskChannel.handle` to them (a
+:class:`~gramcoord.sync.handle.ChannelHandle`, a small msgspec Struct: encode
+it, broadcast it, or pickle it) and calls :meth:`~BitmaskChannel.accept`.
 Each worker builds a :class:`~gramcoord.sync.receiver.BitmaskReceiver` from the
 handle. Then, every step::
 
@@ -31,61 +33,30 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Literal
 
-import msgspec
 import numpy as np
 
+from gramcoord.sync.announcement import Announcer, garbled
 from gramcoord.sync.config import TransportConfig
-from gramcoord.sync.control import ControlServer, local_hostname
+from gramcoord.sync.control import ControlServer
 from gramcoord.sync.errors import PeerGone, TransportError, TransportTimeout, quote_names
+from gramcoord.sync.handle import ChannelHandle
+from gramcoord.sync.hosts import local_hostname
 from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
     READER_NAME_PATTERN,
-    BitmaskFrame,
-    BitmaskReady,
-    ReadyDecoder,
     Shutdown,
     valid_reader_name,
 )
-from gramcoord.sync.ring import BitmaskRing, RingHandle
+from gramcoord.sync.ring import BitmaskRing
 from gramcoord.sync.roster import Roster
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BitmaskChannel", "ChannelHandle"]
+__all__ = ["BitmaskChannel"]
 
 # How often a waiting writer checks whether lagging local readers still live.
 _LIVENESS_EVERY_S = 0.1
-
-
-class ChannelHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a reader needs to join a channel; picklable and msgspec-encodable."""
-
-    # PROTOCOL_VERSION of the writer.
-    version: int
-    # Run id (also in the segment and directory names).
-    run_id: str
-    # TransportConfig.kind of the writer; readers choose their endpoint with it.
-    kind: Literal["auto", "shm", "tcp"]
-    # The writer's host name.
-    hostname: str
-    # The writer's pid.
-    pid: int
-    # Vocabulary size of the masks; rows are ceil(vocab_size / 32) words.
-    vocab_size: int
-    # Endpoint for readers on the writer's host.
-    ipc_endpoint: str
-    # Endpoint for the others; None with kind "shm".
-    tcp_endpoint: str | None
-    # The ring's segment and shape.
-    ring: RingHandle
-    # Seconds a reader waits for a step before giving up.
-    timeout_s: float
-    # Seconds a reader waits for the writer's answer to its hello.
-    handshake_timeout_s: float
-    # Microseconds a local reader polls the ring before sleeping on zmq.
-    spin_us: int
 
 
 class BitmaskChannel:
@@ -133,10 +104,6 @@ class BitmaskChannel:
         corrupt_every: int = 0,
     ) -> None:
         self._config = config or TransportConfig()
-        # Fault injection (``faults.corrupt_frames_every``): 0 = off.
-        self._corrupt_every = corrupt_every
-        self._sent = 0
-        self.corrupted = 0
         self._names = tuple(readers)
         bad = [n for n in self._names if not valid_reader_name(n)]
         if bad or not self._names:
@@ -189,7 +156,9 @@ class BitmaskChannel:
         )
         self._next_liveness = 0.0
         self._acquired: np.ndarray | None = None  # the view acquire() handed out
-        self._validate = ReadyDecoder()
+        self._announce = Announcer(
+            self._control.encode, width=self._width, corrupt_every=corrupt_every
+        )
 
     @property
     def handle(self) -> ChannelHandle:
@@ -215,6 +184,11 @@ class BitmaskChannel:
     def dropped(self) -> int:
         """Control frames dropped as malformed, unknown or spoofed."""
         return self._control.dropped
+
+    @property
+    def corrupted(self) -> int:
+        """Control frames garbled on purpose (``corrupt_every``)."""
+        return self._announce.corrupted
 
     def accept(self, timeout: float | None = None) -> dict[str, str]:
         """Wait until every reader said hello; return their modes.
@@ -314,7 +288,7 @@ class BitmaskChannel:
             )
         rows = array.shape[0]
         order, drafts = tuple(order), tuple(drafts)
-        ready, drafts = self._announcement(step, rows, order, drafts)
+        ready, drafts = self._announce.ready(step, self._ring.next_slot, rows, order, drafts)
         self._roster.raise_if_gone(self._roster.peers)
         acquired, self._acquired = self._acquired, None
         view = self.acquire(rows, timeout)
@@ -325,15 +299,13 @@ class BitmaskChannel:
         frame = b""
         try:
             for peer in self._roster.peers.values():
-                corrupt = self._corrupt_next()
+                corrupt = self._announce.corrupt_next()
                 if peer.mode == "shm":
-                    self._control.send(peer.name, _garbled(ready) if corrupt else ready)
+                    self._control.send(peer.name, garbled(ready) if corrupt else ready)
                 else:
-                    frame = frame or self._control.encode(
-                        BitmaskFrame(step, rows, self._width, order, drafts)
-                    )
+                    frame = frame or self._announce.frame(step, rows, order, drafts)
                     if corrupt:
-                        self._control.send(peer.name, _garbled(frame), data=view)
+                        self._control.send(peer.name, garbled(frame), data=view)
                     # Zero-copy from the slot: safe because the slot is not
                     # rewritten before this reader's Release arrives.
                     self._control.send(peer.name, frame, data=view)
@@ -389,38 +361,6 @@ class BitmaskChannel:
 
     # Internals ---------------------------------------------------------
 
-    def _announcement(
-        self, step: int, rows: int, order: tuple[str, ...], drafts: tuple[int, ...]
-    ) -> tuple[bytes, tuple[int, ...]]:
-        """Encode the step's BitmaskReady, checked by the decoder readers use.
-
-        Decoding it again costs less than checking every request id and
-        draft count in Python, and it checks exactly what readers will; an
-        unchanged batch is not decoded again (see ReadyDecoder).
-        """
-        if len(order) != len(drafts):
-            raise ValueError(f"{len(order)} request ids but {len(drafts)} draft counts")
-        message = BitmaskReady(step, self._ring.next_slot, rows, order, drafts)
-        try:
-            ready = self._control.encode(message)
-        except TypeError:  # e.g. numpy integers as draft counts
-            message = msgspec.structs.replace(message, num_drafts=tuple(map(int, drafts)))
-            ready = self._control.encode(message)
-        try:
-            self._validate.decode(ready)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad step, request ids or draft counts: {exc}") from None
-        return ready, message.num_drafts
-
-    def _corrupt_next(self) -> bool:
-        if not self._corrupt_every:
-            return False
-        self._sent += 1
-        if self._sent % self._corrupt_every:
-            return False
-        self.corrupted += 1
-        return True
-
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("the channel is closed")
@@ -443,11 +383,6 @@ class BitmaskChannel:
         while (got := self._control.recv(timeout)) is not None:
             self._roster.handle(*got)
             timeout = 0
-
-
-def _garbled(payload: bytes) -> bytes:
-    """``payload`` with every byte inverted: it no longer decodes as a message."""
-    return bytes(b ^ 0xFF for b in payload)
 
 
 def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:

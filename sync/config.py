@@ -1,4 +1,11 @@
-"""Configuration owned by the bitmask transport."""
+"""Configuration owned by the bitmask transport.
+
+:class:`TransportConfig` is the ``transport:`` section of a run's config
+(``launch.config``) and of a rank's session options
+(``rank_worker.session.types``). :class:`~gramcoord.sync.channel.BitmaskChannel`
+reads it; what readers need of it travels in the
+:class:`~gramcoord.sync.handle.ChannelHandle`.
+"""
 
 from __future__ import annotations
 

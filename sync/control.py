@@ -5,7 +5,9 @@ endpoint in a private directory (mode 0700, removed at close) and, unless
 the transport is shm-only, to ``tcp://<interface>:<port chosen by the
 OS>``; ports are never fixed. Each reader connects one DEALER socket
 (:class:`ControlClient`) whose routing id is its name, so the writer can
-address readers one by one and tell who sent what.
+address readers one by one and tell who sent what. A
+:class:`~gramcoord.sync.channel.BitmaskChannel` owns the server; each
+:class:`~gramcoord.sync.receiver.BitmaskReceiver` owns a client.
 
 Each socket has one typed decoder, built once. A frame that does not decode,
 has the wrong number of parts, or claims to come from another reader is
@@ -22,21 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Literal
 
 import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gramcoord.sync.errors import PeerGone, TransportTimeout, WriterLost
+from gramcoord.sync.hosts import resolve_interface
 from gramcoord.sync.janitor import PREFIX, janitor
 from gramcoord.sync.messages import (
     BitmaskFrame,
@@ -48,14 +48,7 @@ from gramcoord.sync.messages import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ControlClient",
-    "ControlServer",
-    "choose_mode",
-    "local_hostname",
-    "pid_alive",
-    "resolve_interface",
-]
+__all__ = ["ControlClient", "ControlServer"]
 
 # Log the first few drops in full, then one line per this many.
 _LOG_FIRST, _LOG_EVERY = 10, 1000
@@ -63,95 +56,6 @@ _LOG_FIRST, _LOG_EVERY = 10, 1000
 _LINGER_MS = 500
 # Longest ipc:// path zmq accepts (sun_path) with room for "/ctl".
 _IPC_MAX = 100
-
-
-def local_hostname() -> str:
-    """This host's name, as readers announce it and the writer compares it."""
-    return socket.gethostname()
-
-
-def resolve_interface(interface: str) -> str:
-    """The address a tcp endpoint binds for ``TransportConfig.interface``.
-
-    ``"auto"`` is the address this host's name resolves to
-    (``socket.gethostbyname(socket.gethostname())``), so readers on other
-    hosts can dial it; when that is a loopback address, or the name does not
-    resolve, it is ``127.0.0.1``. Any other value is returned unchanged,
-    except wildcards (``0.0.0.0``, ``::``, ``*``, empty), which are refused:
-    the endpoint never listens on every interface.
-
-    Raises
-    ------
-    ValueError
-        For a wildcard address.
-    """
-    value = interface.strip()
-    if value.lower() == "auto":
-        try:
-            addr = socket.gethostbyname(local_hostname())
-        except OSError:
-            return "127.0.0.1"
-        try:
-            ip = ipaddress.ip_address(addr)
-        except ValueError:
-            return "127.0.0.1"
-        return "127.0.0.1" if ip.is_loopback or ip.is_unspecified else addr
-    bare = value.strip("[]")
-    if bare in ("", "*"):
-        raise ValueError(f"transport.interface {interface!r} is a wildcard; name one address")
-    try:
-        wildcard = ipaddress.ip_address(bare).is_unspecified
-    except ValueError:
-        wildcard = False  # an interface name such as eth0
-    if wildcard:
-        raise ValueError(
-            f"transport.interface {interface!r} would listen on every interface; "
-            "name one address (or 'auto')"
-        )
-    return value
-
-
-def choose_mode(kind: str, writer_host: str, reader_host: str) -> Literal["shm", "tcp"] | None:
-    """How a reader gets its rows: ``"shm"``, ``"tcp"`` or None (impossible).
-
-    Parameters
-    ----------
-    kind
-        ``TransportConfig.kind``: ``"auto"``, ``"shm"`` or ``"tcp"``.
-    writer_host, reader_host
-        Host names of both ends.
-
-    Returns
-    -------
-    str or None
-        ``auto``: shm on the writer's host, tcp elsewhere. ``shm``: shm, or
-        None for a reader on another host. ``tcp``: always tcp.
-    """
-    local = writer_host == reader_host
-    if kind == "tcp":
-        return "tcp"
-    if kind == "shm":
-        return "shm" if local else None
-    return "shm" if local else "tcp"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process on this host is alive (a zombie counts as dead)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # The state follows the parenthesised command name.
-            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass  # no procfs: ask the kernel
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _DropCounter:
@@ -187,7 +91,8 @@ class ControlServer:
         Run id, part of the private directory's name.
     interface
         Address for the tcp endpoint (``TransportConfig.interface``;
-        ``"auto"`` is resolved by :func:`resolve_interface`).
+        ``"auto"`` is resolved by
+        :func:`~gramcoord.sync.hosts.resolve_interface`).
     tcp
         Whether to bind a tcp endpoint (readers on other hosts).
     """

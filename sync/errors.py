@@ -8,6 +8,10 @@ rank at fault.
 
 Bad arguments from the caller (a wrong shape, a step that goes backwards)
 are ``ValueError``; those are programming errors, not transport failures.
+
+Every module of ``sync`` raises these; a rank's main program
+(``launch.rank_main``) catches :class:`TransportError` to stop the rank with
+the message.
 """
 
 from __future__ import annotations

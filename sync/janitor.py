@@ -23,6 +23,11 @@ registration (CPython gh-82300); ``track=False`` exists only from 3.13.
 Only names carrying :data:`PREFIX` are ever removed, so a bug here cannot
 delete anything the transport did not create. Only unlinking happens in
 signal handlers: mappings stay valid until their users drop them.
+
+:class:`~gramcoord.sync.segment.Segment` registers each segment it creates
+with :func:`janitor`, :class:`~gramcoord.sync.control.ControlServer` its
+ipc directory; ``benchmarks/vllm_shm_queue.py`` does the same for its
+baseline's files.
 """
 
 from __future__ import annotations

@@ -17,6 +17,13 @@ Reader -> writer: :class:`Hello`, :class:`Release`, :class:`Bye`.
 
 Bitmasks themselves never pass through msgspec: they are ring slots or raw
 zmq frames.
+
+The control sockets (:mod:`gramcoord.sync.control`) decode with the decoders
+built here; the channel's :class:`~gramcoord.sync.announcement.Announcer`,
+the :class:`~gramcoord.sync.roster.Roster`, the reader's handshake
+(:mod:`gramcoord.sync.handle`) and :class:`~gramcoord.sync.receiver.BitmaskReceiver`
+build and match the messages. Admission (``rank_worker.grammars.outcome``)
+refuses request ids longer than :data:`MAX_REQUEST_ID_CHARS`.
 """
 
 from __future__ import annotations

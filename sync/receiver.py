@@ -1,7 +1,8 @@
 """The reader's end of the bitmask transport (a TP worker).
 
-A :class:`BitmaskReceiver` joins a channel from its
-:class:`~gramcoord.sync.channel.ChannelHandle`, then takes one step at a time::
+A TP worker's session (``rank_worker.session.reader``) builds one
+:class:`BitmaskReceiver` from the leader's
+:class:`~gramcoord.sync.handle.ChannelHandle`, then takes one step at a time::
 
     with BitmaskReceiver.connect(handle, "tp1", vocab_size=V) as rx:
         for step in steps:
@@ -39,39 +40,32 @@ import msgspec
 import numpy as np
 import zmq
 
-from gramcoord.sync.channel import ChannelHandle
-from gramcoord.sync.control import ControlClient, choose_mode, local_hostname, pid_alive
+from gramcoord.sync.announcement import frame_rows
 from gramcoord.sync.errors import (
     ChannelClosed,
-    HandshakeError,
     ProtocolError,
     TransportError,
     TransportTimeout,
     WriterLost,
 )
+from gramcoord.sync.handle import SLICE_S, ChannelHandle, Joined, join
+from gramcoord.sync.hosts import pid_alive
 from gramcoord.sync.messages import (
     PROTOCOL_VERSION,
-    READER_NAME_PATTERN,
     BitmaskFrame,
     BitmaskReady,
     Bye,
-    Hello,
     ReadyDecoder,
     Release,
     Shutdown,
-    Welcome,
     WriterMessage,
-    valid_reader_name,
 )
-from gramcoord.sync.ring import POLLING_IS_SAFE, BitmaskRing
+from gramcoord.sync.ring import POLLING_IS_SAFE
 
 __all__ = ["BitmaskReceiver"]
 
-# A waiting reader wakes this often to check the deadline and the writer.
-_SLICE_S = 0.1
 # How long a reader that saw the ring closed waits for the writer's Shutdown.
 _SHUTDOWN_GRACE_S = 2.0
-_WIRE = np.dtype("<i4")
 
 # What receive() returns: the read-only view, request ids, draft counts.
 Received = tuple[np.ndarray, tuple[str, ...], tuple[int, ...]]
@@ -88,22 +82,13 @@ class BitmaskReceiver:
         ``"shm"`` (ring slots) or ``"tcp"`` (raw frames), chosen by the writer.
     """
 
-    def __init__(
-        self,
-        handle: ChannelHandle,
-        name: str,
-        client: ControlClient,
-        mode: str,
-        ring: BitmaskRing | None,
-        local: bool,
-        spin_us: int = 0,
-    ) -> None:
+    def __init__(self, handle: ChannelHandle, name: str, joined: Joined, spin_us: int = 0) -> None:
         self.name = name
-        self.mode = mode
+        self.mode = joined.mode
         self._handle = handle
-        self._client = client
-        self._ring = ring
-        self._local = local
+        self._client = joined.client
+        self._ring = ring = joined.ring
+        self._local = joined.host == handle.hostname
         self._last = -1
         # step -> zmq frame (tcp) or None (shm); frames keep tcp views alive.
         self._held: dict[int, zmq.Frame | None] = {}
@@ -167,63 +152,8 @@ class BitmaskReceiver:
         TransportTimeout
             If the writer does not answer in time.
         """
-        if not valid_reader_name(name):
-            raise ValueError(f"reader name must match {READER_NAME_PATTERN}, got {name!r}")
-        if name not in handle.ring.readers:
-            raise HandshakeError(
-                f"reader {name!r} is not one of the writer's readers {list(handle.ring.readers)}",
-                peers=[name],
-            )
-        host = hostname or local_hostname()
-        mode = choose_mode(handle.kind, handle.hostname, host)
-        endpoint = handle.ipc_endpoint if mode == "shm" else handle.tcp_endpoint
-        if mode is None or endpoint is None:
-            raise HandshakeError(
-                f"reader {name!r} on {host!r} cannot reach a {handle.kind!r} writer on {handle.hostname!r}",
-                peers=[name],
-            )
-        timeout = handle.handshake_timeout_s if timeout is None else timeout
-        # Map the ring before saying hello: a reader that cannot read the
-        # slots never joins, and the writer's handshake names it.
-        ring = BitmaskRing.attach(handle.ring, name) if mode == "shm" else None
-        client = ControlClient(endpoint, name=name)
-        try:
-            client.send(Hello(PROTOCOL_VERSION, vocab_size, name, host, os.getpid()))
-            welcome = cls._await_welcome(client, name, endpoint, timeout)
-            if welcome.mode != mode or welcome.vocab_size != vocab_size:
-                raise HandshakeError(
-                    f"reader {name!r}: writer answered mode {welcome.mode!r} / vocab "
-                    f"{welcome.vocab_size}, expected {mode!r} / {vocab_size}",
-                    peers=[name],
-                )
-        except BaseException:
-            client.close()
-            if ring is not None:
-                ring.close()
-            raise
-        spin = handle.spin_us if spin_us is None else spin_us
-        return cls(handle, name, client, mode, ring, local=host == handle.hostname, spin_us=spin)
-
-    @staticmethod
-    def _await_welcome(client: ControlClient, name: str, endpoint: str, timeout: float) -> Welcome:
-        deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            got = client.recv(min(remaining, _SLICE_S))
-            if got is None:
-                continue
-            match got[0]:
-                case Welcome() as welcome:
-                    return welcome
-                case Bye(reason=reason):
-                    raise HandshakeError(
-                        f"writer turned reader {name!r} away: {reason}", peers=[name]
-                    )
-                case other:
-                    client.reject(f"{type(other).__name__} before the welcome")
-        raise TransportTimeout(
-            f"reader {name!r}: the writer at {endpoint} did not answer hello within {timeout:g} s",
-            peers=["writer"],
-        )
+        joined = join(handle, name, vocab_size=vocab_size, timeout=timeout, hostname=hostname)
+        return cls(handle, name, joined, handle.spin_us if spin_us is None else spin_us)
 
     @property
     def dropped(self) -> int:
@@ -282,7 +212,7 @@ class BitmaskReceiver:
                 if (result := self._poll_ring(step, until)) is not None:
                     return result
             while (remaining := deadline - time.monotonic()) > 0:
-                got = self._client.recv(min(remaining, _SLICE_S))
+                got = self._client.recv(min(remaining, SLICE_S))
                 if got is None:
                     self._check_writer()
                     # An announcement lost or garbled on the socket is still
@@ -365,7 +295,7 @@ class BitmaskReceiver:
         end = time.monotonic() + _SHUTDOWN_GRACE_S
         while (left := end - time.monotonic()) > 0:
             try:
-                got = self._client.recv(min(left, _SLICE_S))
+                got = self._client.recv(min(left, SLICE_S))
             except WriterLost:
                 return  # the connection closed with nothing left to read
             if got is not None and isinstance(got[0], Shutdown | Bye):
@@ -457,18 +387,4 @@ class BitmaskReceiver:
 
     def _frame_view(self, message: BitmaskFrame, frame: zmq.Frame | None) -> np.ndarray:
         self._check_new(message)
-        ring = self._handle.ring
-        size = message.rows * message.width * _WIRE.itemsize
-        if (
-            frame is None
-            or message.width != ring.width
-            or message.rows > ring.max_rows
-            or len(frame) != size
-        ):
-            raise ProtocolError(
-                f"frame of {0 if frame is None else len(frame)} bytes for {message.rows} x {message.width} "
-                f"(ring is {ring.max_rows} x {ring.width})"
-            )
-        view = np.frombuffer(frame.buffer, dtype=_WIRE).reshape(message.rows, message.width)
-        view.flags.writeable = False
-        return view
+        return frame_rows(message, frame, self._handle.ring)

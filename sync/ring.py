@@ -1,26 +1,11 @@
 """A shared-memory ring of bitmask slots: one writer, a fixed set of readers.
 
-Layout of the segment (all offsets in bytes, all header words int64)::
-
-    0            ring header (64 B)
-                 [0] magic  [1] layout version  [2] num_slots K  [3] num_readers R
-                 [4] max_rows  [5] width W (int32 words per row)
-                 [6] writer pid  [7] closed (1 once the writer closed the ring)
-    64           reader table: R lines of 64 B, one cache line per reader so
-                 that readers never write the same line
-                 [0] released step (-1 before the first release)  [1..7] unused
-    64 * (1 + R) zero padding up to the next multiple of 4096 = D
-    D            slot 0: header (64 B)
-                   [0] step (-1 while empty)  [1] rows  [2] generation
-                   (odd while the writer fills it, even once published)
-                   [3] announcement length (-1: too long, only sent over zmq)
-                 then the announcement: M bytes, M = roundup(max(4096,
-                   64 * max_rows), 64); the encoded BitmaskReady, so that a
-                   reader polling the slot needs no message
-                 then data: max_rows * W int32, padded to 64 B
-    D + S        slot 1, where S = 64 + M + roundup(max_rows * W * 4, 64)
-    ...
-    D + (K-1)*S  slot K-1
+:class:`~gramcoord.sync.channel.BitmaskChannel` creates the ring and writes
+it; each :class:`~gramcoord.sync.receiver.BitmaskReceiver` in shm mode
+attaches to it and reads slots in place, and the writer's
+:class:`~gramcoord.sync.roster.Roster` records there the releases of readers
+on other hosts. The segment's byte layout is drawn in
+:mod:`gramcoord.sync.ring_layout`.
 
 Steps are published in strictly increasing order into slots 0, 1, ..., K-1,
 0, 1, ... A reader releases a step by storing it in its own line of the
@@ -48,22 +33,24 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 
-import msgspec
 import numpy as np
 
 from gramcoord.sync.errors import ProtocolError, TransportError, TransportTimeout, quote_names
+from gramcoord.sync.ring_layout import (
+    H_CLOSED,
+    S_GEN,
+    S_NOTE,
+    S_ROWS,
+    S_STEP,
+    RingHandle,
+    describe,
+    identity,
+    matches,
+    views,
+)
 from gramcoord.sync.segment import Segment, segment_name
 
-__all__ = ["POLLING_IS_SAFE", "BitmaskRing", "RingHandle"]
-
-_MAGIC = int.from_bytes(b"GCRING\x00\x01", "little")
-_LAYOUT_VERSION = 2
-_LINE = 64
-_PAGE = 4096
-# Header word set once the writer closed the ring.
-_H_CLOSED = 7
-# Slot header words.
-_S_STEP, _S_ROWS, _S_GEN, _S_NOTE = 0, 1, 2, 3
+__all__ = ["POLLING_IS_SAFE", "BitmaskRing"]
 
 # Whether readers may learn of a slot by polling its header. Python has no
 # memory fences, so this needs a CPU that keeps one core's stores in order
@@ -75,54 +62,6 @@ POLLING_IS_SAFE = platform.machine().lower() in ("x86_64", "amd64")
 # pause). It may block up to the pause (e.g. polling a socket), may learn of
 # releases (set_released) and may raise to stop the wait.
 WaitHook = Callable[[int, float], None]
-
-
-def _roundup(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-class RingHandle(msgspec.Struct, frozen=True, kw_only=True):
-    """What a reader needs to attach to a ring; picklable and msgspec-encodable."""
-
-    # Segment name, without the leading slash.
-    name: str
-    # Run the ring belongs to (also part of the name).
-    run_id: str
-    # Number of slots K.
-    num_slots: int
-    # Rows per slot.
-    max_rows: int
-    # int32 words per row: ceil(vocab_size / 32).
-    width: int
-    # Bytes reserved per slot for the encoded announcement.
-    note_bytes: int
-    # Reader names; a reader's position is its line in the reader table.
-    readers: tuple[str, ...]
-    # Segment size in bytes.
-    size: int
-
-
-def _note_bytes(max_rows: int) -> int:
-    # Room for ~60 bytes of request id per row; longer ids go over zmq only.
-    return _roundup(max(4096, 64 * max_rows), _LINE)
-
-
-def _layout(num_slots: int, num_readers: int, max_rows: int, width: int) -> tuple[int, int, int]:
-    data_start = _roundup(_LINE * (1 + num_readers), _PAGE)
-    stride = _LINE + _note_bytes(max_rows) + _roundup(max_rows * width * 4, _LINE)
-    return data_start, stride, data_start + num_slots * stride
-
-
-def _identity(handle: RingHandle) -> list[int]:
-    """Header words 0-5: what a reader checks before trusting the layout."""
-    return [
-        _MAGIC,
-        _LAYOUT_VERSION,
-        handle.num_slots,
-        len(handle.readers),
-        handle.max_rows,
-        handle.width,
-    ]
 
 
 class BitmaskRing:
@@ -137,25 +76,9 @@ class BitmaskRing:
         self._segment = segment
         self._handle = handle
         self._reader = reader
-        k, r = handle.num_slots, len(handle.readers)
-        data_start, stride, _ = _layout(k, r, handle.max_rows, handle.width)
-        buf = segment.buf
-        self._head = np.ndarray((8,), np.int64, buf, 0)
-        self._released = np.ndarray((r, 8), np.int64, buf, _LINE)
-        self._slots = np.ndarray((k, 8), np.int64, buf, data_start, (stride, 8))
-        note = handle.note_bytes
-        self._notes = [
-            np.ndarray((note,), np.uint8, buf, data_start + i * stride + _LINE) for i in range(k)
-        ]
-        self._data = [
-            np.ndarray(
-                (handle.max_rows, handle.width),
-                np.int32,
-                buf,
-                data_start + i * stride + _LINE + note,
-            )
-            for i in range(k)
-        ]
+        self._head, self._released, self._slots, self._notes, self._data = views(
+            segment.buf, handle
+        )
         if reader is not None:
             for view in self._data:
                 view.flags.writeable = False
@@ -164,8 +87,8 @@ class BitmaskRing:
         self._pending: int | None = None  # writer: rows acquired, not yet published
         # Writer: Python copies of what it wrote to each slot header, so the
         # per-step path only stores to shared memory.
-        self._held = [-1] * k
-        self._gens = [0] * k
+        self._held = [-1] * handle.num_slots
+        self._gens = [0] * handle.num_slots
         self._note_views = [memoryview(n.data).cast("B") for n in self._notes]
 
     @classmethod
@@ -212,22 +135,18 @@ class BitmaskRing:
             )
         if len(set(readers)) != len(readers):
             raise ValueError(f"reader names must be distinct, got {list(readers)}")
-        _, _, size = _layout(num_slots, len(readers), max_rows, width)
-        segment = Segment.create(segment_name(run_id, label), size)
-        handle = RingHandle(
-            name=segment.name,
+        handle = describe(
+            name=segment_name(run_id, label),
             run_id=run_id,
-            num_slots=num_slots,
+            readers=readers,
             max_rows=max_rows,
             width=width,
-            note_bytes=_note_bytes(max_rows),
-            readers=tuple(readers),
-            size=size,
+            num_slots=num_slots,
         )
-        ring = cls(segment, handle, reader=None)
-        ring._head[:] = [*_identity(handle), os.getpid(), 0]
+        ring = cls(Segment.create(handle.name, handle.size), handle, reader=None)
+        ring._head[:] = [*identity(handle), os.getpid(), 0]
         ring._released[:, 0] = -1
-        ring._slots[:, _S_STEP] = -1
+        ring._slots[:, S_STEP] = -1
         return ring
 
     @classmethod
@@ -249,8 +168,7 @@ class BitmaskRing:
             raise TransportError(
                 f"ring segment {handle.name} does not exist (writer gone?)"
             ) from exc
-        found = np.ndarray((6,), np.int64, segment.buf).tolist()
-        if segment.size < handle.size or found != _identity(handle):
+        if not matches(segment.buf, segment.size, handle):
             segment.close()
             raise TransportError(f"ring segment {handle.name} does not match its handle")
         return cls(segment, handle, reader=handle.readers.index(reader))
@@ -268,7 +186,7 @@ class BitmaskRing:
     @property
     def writer_closed(self) -> bool:
         """True once the writer closed the ring (or this mapping was closed)."""
-        return self._segment.buf is None or bool(self._head[_H_CLOSED])
+        return self._segment.buf is None or bool(self._head[H_CLOSED])
 
     # Writer side -------------------------------------------------------
 
@@ -304,7 +222,7 @@ class BitmaskRing:
         if self._pending is None:
             self._wait(self._held[slot], timeout, on_wait, f"slot {slot}")
             self._gens[slot] += 1
-            self._slots[slot, _S_GEN] = self._gens[slot]  # odd: being written
+            self._slots[slot, S_GEN] = self._gens[slot]  # odd: being written
         # else: acquired again before publishing; the slot is already ours.
         self._pending = rows
         return self._data[slot][:rows]
@@ -340,12 +258,12 @@ class BitmaskRing:
         fits = len(note) <= self._handle.note_bytes
         if fits:
             self._note_views[slot][: len(note)] = note
-        self._slots[slot, _S_ROWS] = self._pending
-        self._slots[slot, _S_NOTE] = len(note) if fits else -1
+        self._slots[slot, S_ROWS] = self._pending
+        self._slots[slot, S_NOTE] = len(note) if fits else -1
         # Order matters (see the module docstring): the step, then the generation.
-        self._slots[slot, _S_STEP] = self._held[slot] = step
+        self._slots[slot, S_STEP] = self._held[slot] = step
         self._gens[slot] += 1
-        self._slots[slot, _S_GEN] = self._gens[slot]  # even: published
+        self._slots[slot, S_GEN] = self._gens[slot]  # even: published
         self._pending = None
         self._last_step = step
         self._next += 1
@@ -431,9 +349,9 @@ class BitmaskRing:
         announcement did not fit. Only meaningful where
         :data:`POLLING_IS_SAFE`.
         """
-        if int(self._slots[slot, _S_STEP]) != step:
+        if int(self._slots[slot, S_STEP]) != step:
             return None
-        gen, length = self._slots[slot, _S_GEN : _S_NOTE + 1].tolist()
+        gen, length = self._slots[slot, S_GEN : S_NOTE + 1].tolist()
         if gen % 2 or length < 0:
             return None
         return self._notes[slot][:length].tobytes()
@@ -455,7 +373,7 @@ class BitmaskRing:
         if self._segment.buf is None:
             return
         if self._reader is None:
-            self._head[_H_CLOSED] = 1
+            self._head[H_CLOSED] = 1
         for view in self._note_views:
             view.release()
         del self._head, self._released, self._slots, self._notes, self._note_views, self._data

@@ -5,6 +5,7 @@ its :class:`Roster`. The roster answers hellos (``Welcome``, or ``Bye`` with
 the reason), records releases of readers that are not on the writer's host
 in the ring, and keeps, per reader, whether it said bye, restarted or died,
 so that a waiting writer can name the reader at fault instead of timing out.
+The reader's half of the handshake is :func:`gramcoord.sync.handle.join`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from gramcoord.sync.control import ControlServer, choose_mode, pid_alive
+from gramcoord.sync.control import ControlServer
 from gramcoord.sync.errors import HandshakeError, PeerGone, TransportError, quote_names
+from gramcoord.sync.hosts import choose_mode, pid_alive
 from gramcoord.sync.messages import PROTOCOL_VERSION, Bye, Hello, ReaderMessage, Release, Welcome
 from gramcoord.sync.ring import BitmaskRing
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from gramcoord.rank_worker.session.applier import AppliesRows, MaskApplier
 from gramcoord.rank_worker.session.types import MaskBatch, SessionStats, StaleGrammarState
-from gramcoord.sync.channel import ChannelHandle
+from gramcoord.sync.handle import ChannelHandle
 from gramcoord.sync.receiver import BitmaskReceiver
 
 

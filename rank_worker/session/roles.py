@@ -42,7 +42,8 @@ from gramcoord.rank_worker.session.leader import StageLeader, stage_wait_s
 from gramcoord.rank_worker.session.masks import StageMasks
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
 from gramcoord.rank_worker.session.types import SessionConfig, SessionStats
-from gramcoord.sync.channel import BitmaskChannel, ChannelHandle
+from gramcoord.sync.channel import BitmaskChannel
+from gramcoord.sync.handle import ChannelHandle
 
 logger = logging.getLogger(__name__)
 

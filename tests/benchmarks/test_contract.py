@@ -21,6 +21,7 @@ from gramcoord.benchmarks._contract import (
     available,
     format_table,
     installed_data_dir,
+    interleaved_ms,
     load,
     run_bench,
 )
@@ -269,6 +270,15 @@ def test_markdown_marks_missed_targets_and_failed_benchmarks(tmp_path):
     assert all(len(re.split(r"(?<!\\) \| ", ln)) == cells for ln in rows)
     assert "| demo | `--n 1` | 3.2 | 4 records |" in runs_part
     assert "| model | - | - | not in summary.json |" in runs_part
+
+
+def test_interleaved_ms_alternates_short_rounds_of_every_function():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    times = interleaved_ms(fns, repeat=15)
+    assert set(times) == {"a", "b"} and min(times.values()) >= 0
+    # max(3, 15 // 5) rounds; each a warm-up call and 5 timed calls per function.
+    assert calls == (["a"] * 6 + ["b"] * 6) * 3
 
 
 def test_format_table_shows_an_error_row():

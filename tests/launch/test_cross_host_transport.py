@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ import pytest
 from gramcoord.launch.cli import main
 from gramcoord.launch.hosts import SimulatedHosts, available
 from gramcoord.launch.run import compare_runs
-from gramcoord.sync.control import resolve_interface
 from tests.launch.multihost import torchrun_on_hosts
 
 OK, WHY = available()
@@ -64,20 +62,7 @@ def _channels(out: Path, rank: int) -> list[dict[str, str]]:
     return [ast.literal_eval(x) for x in found]
 
 
-# -- unit: resolving the interface ----------------------------------------------------------
-
-
-def test_auto_interface_is_the_hosts_address_or_loopback():
-    got = resolve_interface("auto")
-    try:
-        addr = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        addr = "127.0.0.1"
-    assert got == ("127.0.0.1" if addr.startswith("127.") else addr)
-    assert resolve_interface("192.0.2.7") == "192.0.2.7"
-    for wildcard in ("0.0.0.0", "::", "[::]", "*", ""):
-        with pytest.raises(ValueError):
-            resolve_interface(wildcard)
+# -- unit: the interface setting ---------------------------------------------------------------
 
 
 def test_config_refuses_a_wildcard_interface():
