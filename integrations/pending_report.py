@@ -2,8 +2,9 @@
 
 Each rank of a host's sync group (vLLM's TP group under the external
 launcher, SGLang's sync group) reports its pending window in one fixed-shape
-int64 row, and every rank decides the same from the gathered rows (DESIGN
-section 3): ready = ready on every rank, failed = failed on any. The row:
+int64 row, and every rank decides the same from the gathered rows
+(docs/design.md, The agreement): ready = ready on every rank, failed =
+failed on any. The row:
 
 ==========================  ===============================================
 ``[0:4]``                   decision round, window length, fingerprint of

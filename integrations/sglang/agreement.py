@@ -7,7 +7,7 @@ intersection, in the same order on every rank of its sync group. The
 ``Future``\\s here are ours (``AgreedFuture``): ``done()`` means the local
 compile finished (well or badly), and ``result()`` is where the ranks agree.
 Its first call without a decision reports this rank's pending window in one
-fixed-shape int64 ``all_gather`` on the gloo group (DESIGN section 3:
+fixed-shape int64 ``all_gather`` on the gloo group (``pending_report``:
 step, window length, fingerprint of the ordered (seq, key) pairs, wall
 clock, then a state and a reason per pending request) and every rank
 decides the same: ready = ready everywhere, failed = failed anywhere. So a

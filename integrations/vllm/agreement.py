@@ -5,7 +5,8 @@ vLLM promotes a request that waits for its grammar as soon as the grammar
 it: every rank that runs a scheduler over the same request stream (vLLM's
 TP group under ``external_launcher``) reports its pending window in one
 fixed-shape int64 ``all_gather`` on a gloo group, and the ranks decide
-together (ready = intersection, failed = union, DESIGN section 3). So every
+together (ready = intersection, failed = union; docs/design.md, The
+agreement). So every
 rank promotes or fails the same request in the same ``schedule()`` call and
 compiles stay asynchronous.
 
