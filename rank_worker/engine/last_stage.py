@@ -40,7 +40,7 @@ from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
 from gramcoord.rank_worker.session.session import MaskBatch, RankSession
 
 # Mask rows from which the build runs on a thread while the logits are
-# computed; below, inline before them (``gramcoord bench step``, README).
+# computed; below, inline before them (``gramcoord bench step``, docs/performance.md).
 OVERLAP_FROM_ROWS = 16
 
 
