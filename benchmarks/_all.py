@@ -19,6 +19,8 @@ Written to ``DIR``:
 - ``bench.json``: every record (``BenchRecord``, ``bench`` naming its
   benchmark), one error row (``error`` set) per benchmark that failed;
 - ``bench_runs.json``: per benchmark its arguments, exit, wall time;
+- ``bench_meta.json``: the command, the commit of the code, the machine's
+  CPUs and load, and the breakdown;
 - ``bench.md``: the tables (``benchmarks/_report.py``);
 - ``bench.png``: ratio against target per record, and the breakdown
   (``benchmarks/_plot.py``).
@@ -30,6 +32,11 @@ table cut to the terminal's width (``$COLUMNS``; notes shortened, whole in
 The arguments of each benchmark (``PLANS``) keep the whole run under ten
 minutes on a shared 2-core machine; ``--quick`` takes smaller ones for a
 smoke run, ``--args NAME=ARGS`` replaces them, ``--only`` picks benchmarks.
+
+``--page docs/performance.md`` also writes the tables of ``bench.md``, under
+the command and the commit, into that page between its ``bench-all``
+markers; ``--render`` runs nothing and rebuilds ``bench.md`` (and the page)
+from the files of an earlier run in ``DIR``.
 """
 
 from __future__ import annotations
@@ -49,12 +56,16 @@ import msgspec
 
 from gramcoord.benchmarks._contract import BenchRecord, available, package_dir, write_records
 from gramcoord.benchmarks._report import (
+    BenchMeta,
     BenchRun,
     StepBreakdown,
     breakdown_of,
+    code_commit,
     console_table,
     markdown,
+    page_section,
     shorten,
+    splice,
     targets_line,
 )
 
@@ -77,7 +88,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # The full plans took 166 s on the shared 2-core machine when quiet and 499 s
-# at load 8-15 (per benchmark: README, "Performance"); each timeout is about
+# at load 8-15 (per benchmark: each run's bench_runs.json); each timeout is about
 # twice a benchmark's loaded wall time.
 # Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas),
 # jump_forward's tiny-LM rows (32 -> 16 instances), scale's 16-rank world.
@@ -138,6 +149,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, help="deadline of each benchmark (default: its plan)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline of the whole run")
     p.add_argument("--no-run", action="store_true", help="skip the default config's run")
+    p.add_argument(
+        "--page",
+        type=Path,
+        help="also write the tables, with the command and commit, between the bench-all "
+        "markers of this Markdown page, e.g. docs/performance.md",
+    )
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="run nothing: rebuild bench.md (and --page) from an earlier run's files in DIR",
+    )
     return p.parse_args(argv)
 
 
@@ -275,12 +297,52 @@ def _config_run(out: Path, timeout_s: float) -> StepBreakdown:
     return breakdown_of(out / "summary.json", label, round(wall, 1))
 
 
+def _write_report(
+    out_dir: Path,
+    records: list[BenchRecord],
+    runs: list[BenchRun],
+    meta: BenchMeta,
+    page: Path | None,
+) -> None:
+    """``bench.md``, and with ``page`` the tables in that page."""
+    (out_dir / "bench.md").write_text(markdown(records, runs, meta.breakdown))
+    if page is not None:
+        try:
+            text = splice(page.read_text(), page_section(records, runs, meta))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--page {page}: {exc}") from exc
+        page.write_text(text)
+        print(f"wrote the tables into {page}")
+
+
+def _render(out_dir: Path, page: Path | None) -> int:
+    """Rebuild the report from an earlier run's files; exit status 2 when they are missing."""
+    try:
+        records = msgspec.json.decode((out_dir / "bench.json").read_bytes(), type=list[BenchRecord])
+        runs = msgspec.json.decode((out_dir / "bench_runs.json").read_bytes(), type=list[BenchRun])
+        meta = msgspec.json.decode((out_dir / "bench_meta.json").read_bytes(), type=BenchMeta)
+    except (OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+        print(f"bench all --render: no complete earlier run in {out_dir}: {exc}", file=sys.stderr)
+        return 2
+    _write_report(out_dir, records, runs, meta, page)
+    print(f"bench all: {targets_line(records)}; rendered from {out_dir}")
+    return 0
+
+
 def bench_all(argv: list[str], out_dir: Path) -> int:
     """Run the selected benchmarks and write the report; 1 if any of them failed."""
     opts = _parse(argv)
+    if opts.render:
+        return _render(out_dir, opts.page)
     selection = _selection(opts)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + opts.budget_s
+    meta = BenchMeta(
+        command=shlex.join(["gramcoord", "bench", "all", "--out", str(out_dir), *argv]),
+        commit=code_commit(),
+        cpus=os.cpu_count() or 1,
+        load_avg=round(os.getloadavg()[0], 2),
+    )
 
     def left() -> float:
         return deadline - time.monotonic()
@@ -313,7 +375,11 @@ def bench_all(argv: list[str], out_dir: Path) -> int:
     (out_dir / "bench_runs.json").write_bytes(
         msgspec.json.format(msgspec.json.encode(runs), indent=2)
     )
-    (out_dir / "bench.md").write_text(markdown(records, runs, breakdown))
+    meta.breakdown = breakdown
+    (out_dir / "bench_meta.json").write_bytes(
+        msgspec.json.format(msgspec.json.encode(meta), indent=2)
+    )
+    _write_report(out_dir, records, runs, meta, opts.page)
     from gramcoord.benchmarks._plot import plot
 
     plot(records, breakdown, out_dir / "bench.png")

@@ -1,8 +1,8 @@
 """The ``bench scale`` plot: median step time against ranks, one line per path and window.
 
 A hand-written SVG (no plotting dependency): log-log axes, solid lines for
-the largest pending count and dashed for the others, flat paths in the
-colours the README's table uses and the two-level paths in their own. The
+the largest pending count and dashed for the others, one colour per path
+(``COLORS``: the three flat paths, then the two two-level ones). The
 leading underscore keeps ``gramcoord bench`` from listing this module.
 """
 

@@ -19,7 +19,7 @@ Rows ``jump_forward_steps_{model}_ws{0,1}`` against ``no_jump_forward``: the
 steps without / steps with (1.333 = 25% fewer). The note gives the share of
 outputs whose text is identical to the run without jump-forward (over all
 runs, and over those that stopped before ``max_tokens`` without it) and how
-many runs ended on ``max_tokens``. Target (DESIGN section 9): >= 25% fewer
+many runs ended on ``max_tokens``. Target: >= 25% fewer
 steps with the synthetic model and ``any_whitespace: false``; the other rows
 report only.
 

@@ -79,7 +79,7 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # decisions, 3 rounds instead of 1, but hosts x (hosts - 1) messages
     # across hosts instead of members x (members - 1). On 2 and 4 simulated
     # hosts (2 shared cores) it beat flat at 16 ranks (1.2-2.4x) and tied or
-    # lost at 4-8 (README, "Scaling"); the win is mostly fewer messages on
+    # lost at 4-8 (docs/scaling.md); the win is mostly fewer messages on
     # oversubscribed cores, so flat stays the default until real hosts agree.
     agreement_levels: Literal["flat", "host"] = "flat"
     # Where DP leaders share newly failed keys: "step" inside every step (so
@@ -92,7 +92,7 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # exchange (and end-of-run vote) and settling it. A failure reaches every
     # replica this many steps later, and a replica waits for the others only
     # when it runs this far ahead; 0 settles each exchange in its own step.
-    # `gramcoord bench step` measures the step (README, "Performance").
+    # `gramcoord bench step` measures the step (docs/performance.md).
     poison_lag_steps: Annotated[int, Meta(ge=0, le=64)] = 2
     # gramcoord's step loop: steps per TP determinism check. Every TP rank of
     # the last stage compares the tokens it sampled and the digests of the

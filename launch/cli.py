@@ -87,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     cfg.add_argument("config", nargs="?", help="cluster YAML (default: built-in defaults)")
     cfg.add_argument(
-        "--reference", action="store_true", help="every field, its default and meaning (Markdown)"
+        "--reference",
+        action="store_true",
+        help="every field, its default and meaning: the Markdown of docs/configuration.md",
     )
     cfg.add_argument(
         "--set",
@@ -152,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.command == "config" and args.reference:
-        from gramcoord.launch.config_doc import reference
+        from gramcoord.launch.config_doc import page
 
-        print(reference())
+        sys.stdout.write(page())
         return 0
     if args.command in ("run", "verify", "check", "config"):
         try:

@@ -105,7 +105,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.parallel.tp_followers != "none":
             raise ValueError(
                 "parallel.tp_followers is for engines whose TP ranks run schedulers of their "
-                "own (see README, Embedding); gramcoord's step loop needs 'none'"
+                "own (see docs/embedding.md); gramcoord's step loop needs 'none'"
             )
         if self.distributed.poison_exchange != "step":
             raise ValueError(

@@ -1,11 +1,12 @@
-"""The README's config reference, generated from the config structs' comments.
+"""``docs/configuration.md``, generated from the config structs' comments.
 
 Every field of ``ClusterConfig`` is documented by the comment lines right
 above it in its section's source. ``reference()`` renders them as Markdown
-tables (one per section); a test checks that the README embeds exactly this
-text, so the reference cannot drift from the code. Print it with::
+tables (one per section); ``page()`` is the whole page, those tables under
+a short introduction. A test checks that the committed page is exactly this
+text, so the reference cannot drift from the code. Regenerate it with::
 
-    gramcoord config --reference
+    gramcoord config --reference > docs/configuration.md
 """
 
 from __future__ import annotations
@@ -18,8 +19,41 @@ import msgspec
 
 from gramcoord.launch.config import ClusterConfig
 
-BEGIN = "<!-- config-reference: begin (gramcoord config --reference) -->"
+COMMAND = "gramcoord config --reference > docs/configuration.md"
+BEGIN = "<!-- config-reference: begin -->"
 END = "<!-- config-reference: end -->"
+# The page's text above the tables (Markdown; links relative to docs/).
+INTRO = f"""\
+# Configuration
+
+<!-- Generated from the comments above each field in the code
+(launch/config.py and each package's config.py) by
+`{COMMAND}`.
+Edit those comments, not this file: tests/launch/test_config_doc.py fails
+when the two differ. -->
+
+A cluster config is YAML (`configs/*.yaml`, listed in
+[running.md](running.md#shipped-configs)). It decodes into frozen, typed
+msgspec sections, each owned by its package: `parallel` and `distributed` by
+`coordinator/config.py`; `transport` by `sync/config.py`; `grammar`,
+`speculative`, `sampling`, `scheduler`, `tokenizer`, `model` and `faults` by
+`rank_worker/config.py`; `launcher`, `workload` and `output` by
+`launch/config.py`.
+
+- A misspelt key, a wrong type or a value out of range names its field path
+  (`$.grammar.compile_timeout_s`) and exits 2 before any process starts. An
+  enum's error lists its choices.
+- Any field can be overridden on the command line with
+  `--set section.field=value` (the value is parsed as YAML). A bad `--set`
+  is blamed on that `--set`, not on the file.
+- `gramcoord config CONFIG [--set ...]` prints the resolved config as JSON;
+  `gramcoord config --reference` prints this page.
+- Inside vLLM, `additional_config={{"gramcoord": {{"grammar": {{...}}, "faults": {{...}}}}}}`
+  sets the engine side: only the `grammar` fields that do not change which
+  requests are accepted ([vllm.md](vllm.md#options)).
+
+Every field, its default and what it means:
+"""
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -89,5 +123,10 @@ def reference() -> str:
     return "\n\n".join([BEGIN, *parts, END])
 
 
+def page() -> str:
+    """``docs/configuration.md`` as ``gramcoord config --reference`` prints it."""
+    return f"{INTRO}\n{reference()}\n"
+
+
 if __name__ == "__main__":
-    print(reference())
+    print(page(), end="")

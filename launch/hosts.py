@@ -2,7 +2,7 @@
 
 Multi-node paths (torchrun's c10d rendezvous, a Ray cluster, the TCP bitmask
 transport, partitions) need real network stacks. ``SimulatedHosts(n)``
-builds ``n`` hosts on this machine (DESIGN section 13), each with:
+builds ``n`` hosts on this machine (docs/scaling.md), each with:
 
 - its own network namespace (``ip netns``), loopback up;
 - its own address on a documentation range (``192.0.2.0/24``, never a real

@@ -1,8 +1,8 @@
 """Merge the ranks' reports into ``outputs.jsonl``, ``digests.jsonl`` and ``summary.json``.
 
 Rank 0 gathers every rank's ``RankReport`` at the end of a run and calls
-``merge``. What each summary figure means is documented in the README
-("Run summary"). The comparison of mask digests across ranks lives here:
+``merge``. What each summary figure means is documented in
+docs/running.md ("Run summary"). The comparison of mask digests across ranks lives here:
 every row a request's grammar masked at an output position is digested by
 each rank that applied it; all of them must agree, and in replicated mode
 every replica must produce the same outputs.

@@ -12,7 +12,7 @@ from enum import IntEnum
 
 
 class ErrorCode(IntEnum):
-    # Spec shape (docs/design.md, "Request lifecycle").
+    # Spec shape: refused by validate_spec, before any compile, the same on every rank.
     spec_bad_type = 1
     spec_no_kind = 2
     spec_multiple_kinds = 3

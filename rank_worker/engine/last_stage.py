@@ -4,7 +4,7 @@ Every rank of the last stage runs ``LastStage.run`` on the step's
 ``BatchFrame``:
 
 - the **leader** builds the bitmask rows on a thread while the logits are
-  computed (DESIGN section 1, step 5; a batch of fewer than
+  computed (docs/design.md, "One step of our own loop"; a batch of fewer than
   ``OVERLAP_FROM_ROWS`` rows inline, before them), publishes them to its TP workers,
   applies its own copy, samples, and then accepts the tokens into the
   grammars, runs jump-forward, decides who finished and proposes the next
@@ -40,7 +40,7 @@ from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
 from gramcoord.rank_worker.session.session import MaskBatch, RankSession
 
 # Mask rows from which the build runs on a thread while the logits are
-# computed; below, inline before them (``gramcoord bench step``, README).
+# computed; below, inline before them (``gramcoord bench step``, docs/performance.md).
 OVERLAP_FROM_ROWS = 16
 
 

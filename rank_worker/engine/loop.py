@@ -1,6 +1,6 @@
 """The per-rank step loop: every rank runs ``run_loop`` with its session.
 
-The roles (DESIGN section 1, "One step"):
+The roles (docs/design.md, "One step of our own loop"):
 
 - **origin**, the stage-0 leader of a replica: submits arrivals, runs the
   agreement (``session.leader.step``), plans the batch and sends it on, then takes

@@ -1,6 +1,6 @@
 """The bitmask builder: next-token masks for a batch, speculative rows included.
 
-Layout (DESIGN section 4)::
+Layout::
 
     rows_per_request = 1 + K            K = speculative tokens per request
     bitmask: int32[n * rows_per_request, ceil(V / 32)]
@@ -77,7 +77,7 @@ DEFAULT_PARALLEL_THRESHOLD = 128
 def default_fill_threads() -> int:
     """Fill threads: half the cores (at most 8), but at least 2.
 
-    DESIGN's ``min(cpu // 2, 8)`` gives one thread on a 2-core machine,
+    ``min(cpu // 2, 8)`` alone gives one thread on a 2-core machine,
     which cannot run in parallel at all.
     """
     return max(2, min((os.cpu_count() or 2) // 2, 8))

@@ -1,7 +1,7 @@
 """Which role objects a rank holds, and how they are wired together.
 
 ``build_roles`` is the one place that turns a rank's coordinates in the
-``ParallelLayout`` into its roles (DESIGN section 1):
+``ParallelLayout`` into its roles (docs/design.md, Topology):
 
 ==================================  ===========================================
 rank                                roles

@@ -22,7 +22,7 @@ role               calls
 =================  ==========================================================
 
 The step's order, per role, is in ``rank_worker.engine.loop`` (our loop)
-and DESIGN section 14 (a host's). A role a rank does not hold raises
+and docs/embedding.md (a host's). A role a rank does not hold raises
 ``RoleError`` with the rank's role; ``has(name)`` asks first.
 """
 
@@ -218,8 +218,8 @@ class RankSession:
         run_id:
             Names the run's shared-memory segments and sockets.
         force_sync:
-            Compile inline at admission (the external-launcher default of
-            DESIGN section 2), so readiness needs no collective. ``False``
+            Compile inline at admission (the external launcher's default,
+            ``coordinator.external``), so readiness needs no collective. ``False``
             keeps ``grammar.compile_mode`` as configured: with ``async`` the
             host must call ``step`` on every rank every step, and the
             agreement then keeps the ranks' batches identical however their

@@ -13,7 +13,13 @@ import msgspec
 import pytest
 
 from gramcoord.benchmarks._contract import BenchRecord
-from gramcoord.benchmarks._report import console_table, target_counts, targets_line
+from gramcoord.benchmarks._report import (
+    PAGE_BEGIN,
+    PAGE_END,
+    console_table,
+    target_counts,
+    targets_line,
+)
 from gramcoord.launch.cli import main
 from tests.launch.entries import descendants
 
@@ -36,12 +42,16 @@ def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(
 ):
     monkeypatch.setenv("COLUMNS", "100")
     out = tmp_path / "out"
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Performance\n\n{PAGE_BEGIN}\n{PAGE_END}\n")
     argv = ["bench", "all", "--out", str(out), "--no-run", "--only", "compile,transport"]
     argv += ["--args", TINY_TRANSPORT, "--args", "compile=--repeat not-a-number"]
-    assert main(argv) == 1
+    assert main([*argv, "--page", str(page)]) == 1
     console = capsys.readouterr().out
-    # Every line fits, but the one that names the output directory.
-    assert max(len(ln) for ln in console.splitlines() if str(out) not in ln) <= 100, console
+    # Every line fits, but those that name the output directory or the page.
+    paths = (str(out), str(page))
+    fits = [len(ln) for ln in console.splitlines() if not any(p in ln for p in paths)]
+    assert max(fits) <= 100, console
     met, missed, failed = target_counts(
         msgspec.json.decode((out / "bench.json").read_bytes(), type=list[BenchRecord])
     )
@@ -68,6 +78,12 @@ def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(
     md = (out / "bench.md").read_text()
     assert "**ERROR**" in md and "| transport | shm_ring[8x4748] |" in md
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    # The page gets bench.md's tables under the command and the commit.
+    meta = json.loads((out / "bench_meta.json").read_text())
+    assert meta["command"].startswith("gramcoord bench all --out ") and meta["breakdown"] is None
+    block = page.read_text().split(PAGE_BEGIN)[1]
+    assert f"`{meta['command']}` at commit `{meta['commit']}`" in block
+    assert md.rstrip() in block
 
 
 def test_a_benchmark_past_its_deadline_is_killed_with_its_group(tmp_path, no_strays):

@@ -26,7 +26,16 @@ from gramcoord.benchmarks._contract import (
     run_bench,
 )
 from gramcoord.benchmarks._plot import plot, score
-from gramcoord.benchmarks._report import BenchRun, StepBreakdown, breakdown_of, markdown
+from gramcoord.benchmarks._report import (
+    PAGE_BEGIN,
+    PAGE_END,
+    BenchMeta,
+    BenchRun,
+    StepBreakdown,
+    breakdown_of,
+    code_commit,
+    markdown,
+)
 from gramcoord.launch.cli import main
 from gramcoord.rank_worker.engine.timings import percentiles
 
@@ -256,7 +265,7 @@ def test_markdown_marks_missed_targets_and_failed_benchmarks(tmp_path):
     targets, rest = md.split("**Runs**")
     runs_part, all_part = rest.split("**All records**")
     assert "2 met, 1 missed (**NO**), 1 benchmarks failed (**ERROR**)" in targets
-    # The README's table: rows with a target, and the failure; the report-only
+    # The page's first table: rows with a target, and the failure; the report-only
     # row is only in the full table.
     rows = [ln for ln in targets.splitlines() if ln.startswith("| ") and ln != header]
     assert [ln.split(" | ")[1] for ln in rows] == ["fast", "miss", "timed", "-"]
@@ -279,6 +288,48 @@ def test_interleaved_ms_alternates_short_rounds_of_every_function():
     assert set(times) == {"a", "b"} and min(times.values()) >= 0
     # max(3, 15 // 5) rounds; each a warm-up call and 5 timed calls per function.
     assert calls == (["a"] * 6 + ["b"] * 6) * 3
+
+
+def test_render_puts_an_earlier_runs_tables_into_the_page(tmp_path, capsys):
+    """``bench all --render --page``: no benchmark runs; the page's block is replaced."""
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = [BenchRun(name="demo", args=[], wall_s=3.2, exit_code=0, num_records=4)]
+    meta = BenchMeta(
+        command="gramcoord bench all --out bench-out",
+        commit="0123456789ab",
+        cpus=2,
+        load_avg=0.5,
+        breakdown=breakdown_of(_summary(tmp_path, True), "configs/local.yaml", 20.0),
+    )
+    for name, value in (("bench.json", _records()), ("bench_runs.json", runs)):
+        (out / name).write_bytes(msgspec.json.encode(value))
+    page = tmp_path / "performance.md"
+    page.write_text(f"# Performance\n\nbefore\n\n{PAGE_BEGIN}\nstale tables\n{PAGE_END}\n\nafter\n")
+    argv = ["bench", "all", "--out", str(out), "--render", "--page", str(page)]
+    assert main(argv) == 2  # no bench_meta.json yet
+    assert "no complete earlier run" in capsys.readouterr().err
+    (out / "bench_meta.json").write_bytes(msgspec.json.encode(meta))
+    assert main(argv) == 0
+    text = page.read_text()
+    assert text.startswith("# Performance\n\nbefore\n\n") and text.endswith(
+        f"{PAGE_END}\n\nafter\n"
+    )
+    assert "stale tables" not in text and text.count(PAGE_BEGIN) == 1
+    block = text.split(PAGE_BEGIN)[1]
+    assert "`gramcoord bench all --out bench-out` at commit `0123456789ab`" in block
+    assert markdown(_records(), runs, meta.breakdown).rstrip() in block
+    assert (out / "bench.md").read_text() == markdown(_records(), runs, meta.breakdown)
+    # A page without the markers is refused, and left as it was.
+    page.write_text("# Performance\n")
+    with pytest.raises(SystemExit, match="no block between"):
+        main(argv)
+    assert page.read_text() == "# Performance\n"
+
+
+def test_the_commit_names_the_code_that_ran():
+    commit = code_commit()
+    assert re.fullmatch(r"[0-9a-f]{12}(-dirty)?", commit) or commit.startswith("unknown"), commit
 
 
 def test_format_table_shows_an_error_row():

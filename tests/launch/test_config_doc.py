@@ -1,10 +1,10 @@
-"""The README's config reference is generated from the code and documents every field."""
+"""docs/configuration.md is generated from the code and documents every field."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gramcoord.launch.config_doc import reference
+from gramcoord.launch.config_doc import COMMAND, page, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,18 +16,20 @@ def test_every_config_field_has_a_comment():
     assert not undocumented, f"fields without a comment: {undocumented}"
 
 
-def test_readme_embeds_the_current_reference():
-    assert reference() in (ROOT / "README.md").read_text(), (
-        "README.md's config reference is stale: regenerate it with "
-        "`gramcoord config --reference` and paste it between the markers"
+def test_the_committed_page_is_what_the_command_prints():
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == page(), (
+        f"docs/configuration.md differs from the code's config comments: regenerate it "
+        f"from the repository root with `{COMMAND}`"
     )
 
 
-def test_cli_prints_the_reference_and_the_resolved_config(capsys):
+def test_cli_prints_the_page_and_the_resolved_config(capsys):
     from gramcoord.launch.cli import main
 
     assert main(["config", "--reference"]) == 0
-    assert capsys.readouterr().out.strip() == reference()
+    out = capsys.readouterr().out
+    assert out == page() and reference() in out
     assert main(["config", str(ROOT / "configs" / "local.yaml"), "--set", "parallel.tp=1"]) == 0
     import json
 

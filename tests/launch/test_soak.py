@@ -1,6 +1,6 @@
 """A short soak: configs/soak.yaml, cut to ~130 requests (issue 11, part 3).
 
-The full soak (~5,000 requests, README "Reliability") is too long for the
+The full soak (~5,000 requests, docs/reliability.md) is too long for the
 suite; this runs the same config with two passes of the workload and a
 hostile record in every five. It checks what the soak's summary promises:
 every rank reports its resources, nothing is leaked (``/dev/shm``, threads,

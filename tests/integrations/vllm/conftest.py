@@ -1,6 +1,6 @@
 """Real-vLLM tests: skipped without vLLM unless GRAMCOORD_REQUIRE_VLLM=1.
 
-The environment of DESIGN section 15 is set before vLLM is imported; the
+vLLM's CPU environment (``tiny_model.CPU_ENV``) is set before vLLM is imported; the
 tiny model is built once per session; engines are shared per backend.
 """
 

@@ -13,7 +13,7 @@ from gramcoord.launch.procs import free_port
 
 __all__ = ["CPU_ENV", "ENGINE_KW", "EOS_ID", "build_tiny_model", "free_port"]
 
-# What vLLM's CPU build needs here (DESIGN section 15); set before importing vLLM.
+# What vLLM's CPU build needs here (docs/vllm.md, Tests); set before importing vLLM.
 CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",

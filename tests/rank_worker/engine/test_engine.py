@@ -525,8 +525,8 @@ def test_run_loop_speculative_matches_k0(run):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_run_loop_mixed_batch_has_no_cross_request_contamination(run, k):
-    """DESIGN section 10: an unconstrained request is never masked by another's rows,
-    and never shifts theirs."""
+    """An unconstrained request is never masked by another's rows, and never shifts
+    theirs (the TP-side apply skips it and aligns the others past it)."""
     # Sync compiles admit every request at step 0, so the free request (first
     # in every batch: it needs no admission) shares its batches with the others.
     alone = run((FREE,), k, 0, "sync")
