@@ -21,7 +21,7 @@ Written to ``DIR``:
 - ``bench_runs.json``: per benchmark its arguments, exit, wall time;
 - ``bench_meta.json``: the command, the commit of the code, the machine's
   CPUs and load, and the breakdown;
-- ``bench.md``: the tables (``benchmarks/_report.py``);
+- ``bench.md``: the tables (``benchmarks/_tables.py``);
 - ``bench.png``: ratio against target per record, and the breakdown
   (``benchmarks/_plot.py``).
 
@@ -55,7 +55,7 @@ from pathlib import Path
 import msgspec
 
 from gramcoord.benchmarks._contract import BenchRecord, available, package_dir, write_records
-from gramcoord.benchmarks._report import (
+from gramcoord.benchmarks._tables import (
     BenchMeta,
     BenchRun,
     StepBreakdown,

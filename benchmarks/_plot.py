@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from gramcoord.benchmarks._contract import BenchRecord
-from gramcoord.benchmarks._report import StepBreakdown, target_text
+from gramcoord.benchmarks._tables import StepBreakdown, target_text
 
 MET, MISSED, FAILED = "#2ca02c", "#d62728", "#7f7f7f"
 # Scores are clipped to this range so one wild ratio cannot squash the axis.

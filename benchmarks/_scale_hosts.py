@@ -1,7 +1,7 @@
 """Placing the ranks of a ``bench scale`` world on simulated hosts.
 
 ``gramcoord bench scale --hosts H`` spreads each world over ``H`` hosts made
-by ``gramcoord.launch.hosts.SimulatedHosts`` (network namespaces joined by
+by ``gramcoord.benchmarks.simulated_hosts.SimulatedHosts`` (network namespaces joined by
 veth pairs to a private bridge). The ranks are still spawned by
 ``gramcoord.launch.procs.run_procs`` -- one deadline, one reaper -- and each
 child moves itself onto its host before it imports torch: ``setns`` into the

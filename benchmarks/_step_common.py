@@ -9,7 +9,7 @@
   and that minus the forward is the step's overhead; minus also the logits
   work every way does alike (mask kernel, greedy pick) it is the step's
   coordination. No loop needs a timing hook of its own;
-- ``finish_reason``: the one finishing rule (ours: ``LastStage._accept``
+- ``finish_reason``: the one finishing rule (ours: ``ModelRunner._accept``
   with K = 0), so the baselines end a request where ours does;
 - ``Compiler``: xgrammar with the compiler settings ours uses
   (``max_threads=1``, the restricted vocabulary, ``any_whitespace`` and
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import xgrammar as xgr
 
+from gramcoord.engine.models import ModelRequest
+from gramcoord.engine.requests import EngineRequest
 from gramcoord.launch.workload import read_workload
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.engine.models import ModelRequest
-from gramcoord.rank_worker.engine.requests import EngineRequest
 from gramcoord.rank_worker.errors import SpecError
 from gramcoord.rank_worker.grammars.spec import validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
@@ -194,7 +194,7 @@ class RankRun(msgspec.Struct, kw_only=True):
     # Per forward call on stage leaders: (request id, output position) of
     # each row, so the floor can refill the very batches of the run.
     batches: list[list[tuple[str, int]]] = msgspec.field(default_factory=list)
-    # Origin ranks: request id -> output.
+    # Stage-0 leaders: request id -> output.
     outputs: dict[str, Output] = msgspec.field(default_factory=dict)
     # Ours: the step loop's own per-step timings (``Timings``), by name.
     timings: dict[str, list[float]] = msgspec.field(default_factory=dict)

@@ -3,7 +3,7 @@
 Each rank attaches a ``RankSession`` to the bench's gloo world (the
 external-launcher path with ``force_sync=False``, so compiles stay async
 and the agreement runs every step, as under ``gramcoord run``) and runs
-``rank_worker.engine.loop.run_loop``, the loop ``gramcoord run`` runs. The
+``engine.loop.run_loop``, the loop ``gramcoord run`` runs. The
 only change: the logits source and the sampler are wrapped by a ``RunClock``.
 
 Fill strategies (the ``BitmaskBuilder`` of the last-stage leader, K = 0):
@@ -27,15 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from gramcoord.benchmarks._step_common import BenchRequest, Output, RankRun, RunClock
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.engine.loop import run_loop
+from gramcoord.engine.models import SyntheticModel
+from gramcoord.engine.sampler import Sampler
 from gramcoord.rank_worker.config import (
     GrammarConfig,
     SamplingConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
-from gramcoord.rank_worker.engine.loop import run_loop
-from gramcoord.rank_worker.engine.models import SyntheticModel
-from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_threads
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
@@ -137,7 +137,7 @@ def run_ours(
         if session.has("masks"):
             builder = make_builder(strategy, tokenizer.vocab_size, max_num_seqs)
             if builder is not None:
-                session.masks.builder = builder
+                session.stage_masks.builder = builder
         report = run_loop(
             session,
             [r.engine_request() for r in requests],

@@ -53,9 +53,9 @@ from gramcoord.benchmarks._step_common import (
     replica_share,
     take_token,
 )
+from gramcoord.engine.models import SyntheticModel
+from gramcoord.engine.sampler import Sampler
 from gramcoord.rank_worker.config import SamplingConfig
-from gramcoord.rank_worker.engine.models import SyntheticModel
-from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 # SGLANG_GRAMMAR_POLL_INTERVAL's default, in seconds.

@@ -50,9 +50,9 @@ from gramcoord.benchmarks._step_common import (
     take_token,
 )
 from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue
+from gramcoord.engine.models import ModelRequest, SyntheticModel
+from gramcoord.engine.sampler import Sampler
 from gramcoord.rank_worker.config import SamplingConfig
-from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
-from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 # StructuredOutputManager's parallel-fill threshold and chunk size.

@@ -51,12 +51,12 @@ class _Timed:
 
 
 def measure(rounds: int, repeat: int) -> dict:
+    from gramcoord.engine.loop import run_loop
+    from gramcoord.engine.models import make_model
+    from gramcoord.engine.sampler import Sampler
     from gramcoord.launch.config import load_config
     from gramcoord.launch.journal import RankJournal, config_fingerprint, request_fingerprint
     from gramcoord.launch.rank_main import load_requests
-    from gramcoord.rank_worker.engine.loop import run_loop
-    from gramcoord.rank_worker.engine.models import make_model
-    from gramcoord.rank_worker.engine.sampler import Sampler
     from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
     from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 

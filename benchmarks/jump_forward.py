@@ -39,16 +39,16 @@ import torch
 import xgrammar as xgr
 
 from gramcoord.benchmarks._contract import BenchRecord, add_data_arg
-from gramcoord.launch.workload import dev_data_dir
-from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.models import (
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.models import (
     HFModel,
     LogitsSource,
     ModelRequest,
     SyntheticModel,
     build_tiny_qwen2,
 )
+from gramcoord.launch.workload import dev_data_dir
+from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpForward

@@ -123,11 +123,11 @@ class Tracer:
 
 
 def _ours(tracer: Tracer) -> None:
+    from gramcoord.engine.loop import run_loop
+    from gramcoord.engine.models import make_model
+    from gramcoord.engine.requests import EngineRequest
+    from gramcoord.engine.sampler import Sampler
     from gramcoord.launch.config import ClusterConfig
-    from gramcoord.rank_worker.engine.loop import run_loop
-    from gramcoord.rank_worker.engine.models import make_model
-    from gramcoord.rank_worker.engine.requests import EngineRequest
-    from gramcoord.rank_worker.engine.sampler import Sampler
     from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
     from gramcoord.rank_worker.session.session import RankSession
     from gramcoord.rank_worker.session.types import SessionConfig

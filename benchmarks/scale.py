@@ -26,10 +26,10 @@ estimate 2 (ranks - 1) / ranks x row for the reduce, (ranks - 1) x (8 +
 padded pickle) for the object path (its size all_gather, then the bytes).
 
 ``--hosts H`` (root) spreads each world over H simulated hosts
-(``gramcoord.launch.hosts``: network namespaces, veth pairs, a bridge;
+(``gramcoord.benchmarks.simulated_hosts``: network namespaces, veth pairs, a bridge;
 ``--placement block`` or ``round``), gloo over the hosts' addresses, and adds
 two contenders: the coordinator's own two-level agreement
-(``distributed.agreement_levels: host``, ``coordinator.levels.TwoLevel``) on
+(``distributed.agreement_levels: host``, ``coordinator.two_level.TwoLevel``) on
 each op, ``host_gather`` and ``host_reduce``, each recorded against the flat
 path of the same op (ratio = flat / two-level). Before timing, every rank
 checks that they return the flat collectives' arrays bit for bit and decide
@@ -60,7 +60,7 @@ from gramcoord.launch.procs import free_port, run_procs
 
 CHILD_TIMEOUT_S = 300
 PATHS = ("object", "gather", "reduce")
-# Two-level contenders (``coordinator.levels.TwoLevel``), measured when ranks
+# Two-level contenders (``coordinator.two_level.TwoLevel``), measured when ranks
 # are grouped into hosts; each is compared with the flat path of the same op.
 LEVELS = {"host_gather": "gather", "host_reduce": "reduce"}
 WIN_MARGIN = 1.1
@@ -72,7 +72,7 @@ WIN_MARGIN = 1.1
 def _flat_and_levels(rank, pending, runtime, levels):
     """Agreement objects for every contender: flat gather/reduce, and two-level when grouped."""
     from gramcoord.coordinator.agreement import Agreement
-    from gramcoord.coordinator.levels import TwoLevel
+    from gramcoord.coordinator.two_level import TwoLevel
 
     def flat_gather(row):
         return runtime.all_gather("agreement", row, operation="g", step=0)
@@ -107,7 +107,7 @@ def _check_levels(rank, status, pending, members, ways) -> None:
     """The two-level collectives return the flat ones' arrays, bit for bit, on one real row."""
     import numpy as np
 
-    from gramcoord.coordinator.report import CODECS, window_of
+    from gramcoord.coordinator.pending_report import CODECS, window_of
 
     for op, flat, two in (
         ("all_gather", ways["gather"][1], ways["host_gather"][1]),
@@ -124,7 +124,7 @@ def _rows(rank, world, args, runtime, obj_group, levels):
     import torch
     import torch.distributed as dist
 
-    from gramcoord.coordinator.report import CODECS
+    from gramcoord.coordinator.pending_report import CODECS
     from gramcoord.coordinator.status import PendingState
 
     members = runtime.members("agreement")
@@ -304,7 +304,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     """Measure every rank count; see the module docstring."""
     opts = _parse(args)
     if opts.hosts > 1 and not opts.virtual:
-        from gramcoord.launch.hosts import SimulatedHosts
+        from gramcoord.benchmarks.simulated_hosts import SimulatedHosts
 
         with sigterm_unwinds(), SimulatedHosts(opts.hosts) as hosts:
             return _measure(opts, hosts)

@@ -3,7 +3,7 @@
 ``gramcoord bench step`` starts a gloo world of four ranks (2 data-parallel
 replicas x 2 tensor-parallel ranks) and runs the same workload through it
 several ways, one after the other in the same processes
-(``_step_world.py``):
+(``_step_ranks.py``):
 
 - **ours**: ``RankSession`` + the step loop ``gramcoord run`` runs
   (``_step_ours.py``);
@@ -29,7 +29,7 @@ anything else). Figure = the slowest rank's median over the steps with rows.
 Two phases, each its own world:
 
 1. the three ways on the workload as it is, ``--rounds`` times in rotating
-   order, then the floor (``_step_floor.py``: one bare xgrammar fill of the
+   order, then the floor (``_step_lower_bound.py``: one bare xgrammar fill of the
    run's own batches + one memcpy of the rows + one gloo 1-element round
    trip between the TP ranks). Records ``step_{overhead,coordination}_vs_
    {sglang,vllm}`` (target >= 2x) and ``..._vs_floor`` (floor / ours, target
@@ -59,7 +59,7 @@ from gramcoord.benchmarks._step_common import (
     step_samples_ms,
 )
 from gramcoord.benchmarks._step_ours import STRATEGIES
-from gramcoord.benchmarks._step_world import DP, TP, WorldOptions
+from gramcoord.benchmarks._step_ranks import DP, TP, WorldOptions
 from gramcoord.launch.procs import run_ranks
 from gramcoord.rank_worker.masks.bitmask import DEFAULT_PARALLEL_THRESHOLD, default_fill_threads
 
@@ -293,7 +293,7 @@ def _world(
         floor=floor,
     )
     results = run_ranks(
-        "gramcoord.benchmarks._step_world:child", DP * TP, args=(opts,), timeout=a.timeout
+        "gramcoord.benchmarks._step_ranks:child", DP * TP, args=(opts,), timeout=a.timeout
     )
     return [r.value for r in results], opts
 

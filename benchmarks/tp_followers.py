@@ -54,9 +54,9 @@ def _requests(limit: int) -> list[tuple[str, dict, str | None]]:
 
 def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dict:
     from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+    from gramcoord.engine.models import ModelRequest, SyntheticModel
+    from gramcoord.engine.sampler import Sampler
     from gramcoord.rank_worker.config import GrammarConfig, SamplingConfig, SchedulerConfig
-    from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
-    from gramcoord.rank_worker.engine.sampler import Sampler
     from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
     from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
@@ -70,7 +70,7 @@ def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dic
     )
     session = RankSession.attach(tok, config, force_sync=False)
     sched = session.leader if session.is_leader else session.follower
-    masks = session.masks
+    masks = session.stage_masks
     model, sampler = SyntheticModel(tok), Sampler(SamplingConfig())
     rows_ms: list[float] = []
     compile_ms = 0.0

@@ -3,7 +3,7 @@
 Every host runs it: gramcoord's own engine (through ``Coordinator``), and the
 vLLM and SGLang adapters (through the same ``Coordinator`` over their
 engine's process group). Every member reports its pending window as one
-fixed-shape int64 row (``gramcoord.coordinator.report``). One collective combines the rows: a request is
+fixed-shape int64 row (``gramcoord.coordinator.pending_report``). One collective combines the rows: a request is
 admitted when it is ready on every member, and failed when it failed on any
 member (failed wins). Every member computes the same ``Decision`` from the
 same combined data, so decisions are identical without a second round.
@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from gramcoord.coordinator.errors import CoordinatorError, DivergenceError
-from gramcoord.coordinator.report import (
+from gramcoord.coordinator.pending_report import (
     CODECS,
     Verdict,
     Window,

@@ -30,10 +30,10 @@ from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import CoordinatorError, LayoutError
 from gramcoord.coordinator.layout import HostLevels, ParallelLayout
-from gramcoord.coordinator.levels import TwoLevel
 from gramcoord.coordinator.pipeline import Chain
 from gramcoord.coordinator.poison_share import PoisonShare
 from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord, wall_clock_ms
+from gramcoord.coordinator.two_level import TwoLevel
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ class StepRoute(NamedTuple):
     frame_dsts: tuple[int, ...]
     # The stage-0 leader and the last stage's leader of this replica: the
     # step's results go from the second to the first.
-    origin: int
+    first_leader: int
     last_leader: int
 
 
@@ -209,7 +209,7 @@ class ParallelLayout(msgspec.Struct, frozen=True, kw_only=True):
             next_leader=None if last else self.leader(c.dp, c.pp + 1),
             frame_src=src,
             frame_dsts=tuple(dsts),
-            origin=self.leader(c.dp, 0),
+            first_leader=self.leader(c.dp, 0),
             last_leader=self.leader(c.dp, self.pp - 1),
         )
 

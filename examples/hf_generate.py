@@ -37,10 +37,10 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from gramcoord.coordinator.config import ParallelConfig
+from gramcoord.engine.models import build_tiny_qwen2
 from gramcoord.integrations.hf.generate import GenerateSession, GenerationResult
 from gramcoord.integrations.hf.tokenizer import encode_prompts, qwen25_hf_tokenizer
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.engine.models import build_tiny_qwen2
 from gramcoord.rank_worker.session.types import SessionConfig
 
 # Small requests from configs/workload.jsonl (same ids and prompts; the confgen

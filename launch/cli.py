@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
-from gramcoord.launch.report import command_started
+from gramcoord.launch.summary_table import command_started
 
 
 def _add_config_args(p: argparse.ArgumentParser, *, positional: bool) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from gramcoord.coordinator.status import PoisonRecord
-from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
+from gramcoord.engine.requests import EngineRequest, OutputRecord
 from gramcoord.rank_worker.session.digest import DigestRecord
 
 JOURNAL = "journal"

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gramcoord.launch import fork_server, stacks
+from gramcoord.launch import fork_server, stack_dump
 
 __all__ = [
     "ProcGroup",
@@ -205,7 +205,7 @@ class ProcGroup:
 
 def _child(target, rank, nprocs, args, results, stack_path=None) -> None:
     if stack_path is not None:
-        stacks.arm(stack_path)
+        stack_dump.arm(stack_path)
     try:
         value = resolve(target)(rank, nprocs, *args)
         results.put(ProcResult(rank, True, value, finished_at=time.time()))
@@ -244,10 +244,10 @@ def _deadline_reason(
     blocked in a collective its peer never entered).
     """
     live = {i: p.pid for i, p in enumerate(procs) if i not in results and p.is_alive()}
-    texts = stacks.dump(live, stack_paths)
+    texts = stack_dump.dump(live, stack_paths)
     lines = [f"deadline of {timeout:.0f}s passed"]
     for rank, text in texts.items():
-        lines.append(f"  rank {rank} {stacks.waiting_in(text)}")
+        lines.append(f"  rank {rank} {stack_dump.waiting_in(text)}")
         results[rank] = ProcResult(rank, False, error_type="timeout", traceback=text)
     if len(lines) == 1:
         lines.append("  (no rank was still running)")

@@ -29,7 +29,11 @@ from pathlib import Path
 
 import msgspec
 
-from gramcoord.launch import stacks
+from gramcoord.engine.loop import RankReport, run_loop
+from gramcoord.engine.models import make_model
+from gramcoord.engine.requests import EngineRequest
+from gramcoord.engine.sampler import Sampler
+from gramcoord.launch import stack_dump
 from gramcoord.launch.config import ClusterConfig, ConfigError, load_config
 from gramcoord.launch.failures import backend_problem
 from gramcoord.launch.journal import (
@@ -46,10 +50,6 @@ from gramcoord.launch.resources import ResourceProbe
 from gramcoord.launch.summary import Summary, digests_by_request, merge, write_run
 from gramcoord.launch.workload import stream_workload
 from gramcoord.rank_worker.config import FaultsConfig
-from gramcoord.rank_worker.engine.loop import RankReport, run_loop
-from gramcoord.rank_worker.engine.models import make_model
-from gramcoord.rank_worker.engine.requests import EngineRequest
-from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.native_log import native_stderr_redirected
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
@@ -143,7 +143,7 @@ class _RankLogs:
         self._native = native_stderr_redirected(self.logs, self.rank)
         self._native.__enter__()
         # ``kill -USR1`` writes every thread's stack here: where a stuck rank waits.
-        stacks.arm(self.logs / f"rank{self.rank}.stacks")
+        stack_dump.arm(self.logs / f"rank{self.rank}.stacks")
         return self
 
     def failure(self, exc: BaseException) -> None:
@@ -161,7 +161,7 @@ class _RankLogs:
         self.handler.handle(record)
 
     def __exit__(self, *exc: object) -> None:
-        stacks.disarm()
+        stack_dump.disarm()
         self._native.__exit__(*exc)
         root = logging.getLogger()
         root.removeHandler(self.handler)
@@ -176,7 +176,7 @@ class _RankLogs:
 def _progress(job: RankJob, rank: int):
     """(bar, callback): counts to the launcher's channel, or rank 0's own bar.
 
-    Under a launcher of ours every rank gets a writer (only origin ranks
+    Under a launcher of ours every rank gets a writer (only stage-0 leaders
     call it); under the user's own torchrun rank 0 draws its replica's count
     itself, on a terminal only (``gramcoord.launch.progress``).
     """
@@ -323,7 +323,7 @@ def _print_summary(summary: Summary, out_dir: Path) -> None:
     """Rank 0 under the user's own launcher: the table and where the outputs are."""
     from rich.console import Console
 
-    from gramcoord.launch.report import summary_table
+    from gramcoord.launch.summary_table import summary_table
 
     console = Console()
     console.print(summary_table(summary, out_dir))

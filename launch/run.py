@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 from rich.console import Console
 
+from gramcoord.engine.hf_checks import check_hf_model
 from gramcoord.launch.config import ClusterConfig
 from gramcoord.launch.failures import (
     EXIT_INTERRUPTED,
@@ -35,10 +36,9 @@ from gramcoord.launch.launchers import RankOutcome, launch_inline, launch_torchr
 from gramcoord.launch.procs import format_failures, patched_environ
 from gramcoord.launch.progress import watch_progress
 from gramcoord.launch.rank_main import ENTRY, RankJob
-from gramcoord.launch.report import summary_table
 from gramcoord.launch.resources import RUN_ID_ENV, collect
 from gramcoord.launch.summary import Determinism, Summary, write_summary
-from gramcoord.rank_worker.engine.hf_checks import check_hf_model
+from gramcoord.launch.summary_table import summary_table
 from gramcoord.rank_worker.errors import DeterminismError
 
 EXIT_OK, EXIT_INFRA, EXIT_CONFIG, EXIT_DETERMINISM = 0, 1, 2, 3

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from gramcoord.engine.requests import EngineRequest, OutputRecord
+from gramcoord.engine.timings import Percentiles, percentiles
 from gramcoord.launch.journal import PriorRun
 from gramcoord.launch.validity import JsonChecker
-from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
-from gramcoord.rank_worker.engine.timings import Percentiles, percentiles
 
 if TYPE_CHECKING:  # the step loop imports torch; `gramcoord config` must not
-    from gramcoord.rank_worker.engine.loop import RankReport
+    from gramcoord.engine.loop import RankReport
     from gramcoord.rank_worker.session.digest import DigestRecord
 
 

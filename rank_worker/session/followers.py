@@ -29,8 +29,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from gramcoord.coordinator.byte_link import ByteLink
 from gramcoord.coordinator.errors import CoordinatorError
-from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.status import Decision, PoisonRecord
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome

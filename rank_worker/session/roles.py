@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gramcoord.coordinator.byte_link import ByteLink
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
@@ -39,8 +39,8 @@ from gramcoord.rank_worker.masks.jump_forward import JumpForward
 from gramcoord.rank_worker.session.applier import MaskApplier
 from gramcoord.rank_worker.session.followers import FollowerBook, NoteSender, TpFollower
 from gramcoord.rank_worker.session.leader import StageLeader, stage_wait_s
-from gramcoord.rank_worker.session.masks import StageMasks
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
+from gramcoord.rank_worker.session.stage_masks import StageMasks
 from gramcoord.rank_worker.session.types import SessionConfig, SessionStats
 from gramcoord.sync.channel import BitmaskChannel
 from gramcoord.sync.handle import ChannelHandle

@@ -1,6 +1,6 @@
 """The per-rank session: one attach, and the role objects a rank's role holds.
 
-Engines embed it, and gramcoord's own step loop (``rank_worker.engine``)
+Engines embed it, and gramcoord's own step loop (``engine``)
 uses nothing else. One ``RankSession`` per process; it joins the world
 (``local``, ``start`` or ``attach``), checks the vocabulary, connects the
 bitmask transport and builds the roles of this rank in the
@@ -21,7 +21,7 @@ role               calls
                    last stage it has ``masks`` too
 =================  ==========================================================
 
-The step's order, per role, is in ``rank_worker.engine.loop`` (our loop)
+The step's order, per role, is in ``engine.loop`` (our loop)
 and docs/embedding.md (a host's). A role a rank does not hold raises
 ``RoleError`` with the rank's role; ``has(name)`` asks first.
 """
@@ -35,18 +35,18 @@ import secrets
 import msgspec
 import numpy as np
 
+from gramcoord.coordinator.byte_link import ByteLink
 from gramcoord.coordinator.config import ParallelConfig
 from gramcoord.coordinator.external import FORCED_COMPILE_MODE, attach_external
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.session.followers import TpFollower
 from gramcoord.rank_worker.session.leader import StageLeader
-from gramcoord.rank_worker.session.masks import StageMasks
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
 from gramcoord.rank_worker.session.roles import ROLE_NAMES, RoleSet, build_roles
+from gramcoord.rank_worker.session.stage_masks import StageMasks
 from gramcoord.rank_worker.session.types import (
     MaskBatch,
     RoleError,

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from gramcoord.benchmarks._contract import BenchRecord
-from gramcoord.benchmarks._report import (
+from gramcoord.benchmarks._tables import (
     PAGE_BEGIN,
     PAGE_END,
     console_table,

@@ -26,7 +26,7 @@ from gramcoord.benchmarks._contract import (
     run_bench,
 )
 from gramcoord.benchmarks._plot import plot, score
-from gramcoord.benchmarks._report import (
+from gramcoord.benchmarks._tables import (
     PAGE_BEGIN,
     PAGE_END,
     BenchMeta,
@@ -36,8 +36,8 @@ from gramcoord.benchmarks._report import (
     code_commit,
     markdown,
 )
+from gramcoord.engine.timings import percentiles
 from gramcoord.launch.cli import main
-from gramcoord.rank_worker.engine.timings import percentiles
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"agreement", "compile", "fill", "scale", "tp_followers", "transport"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from gramcoord.benchmarks import jump_forward as bench
-from gramcoord.rank_worker.engine.models import HFModel, SyntheticModel, build_tiny_qwen2
+from gramcoord.engine.models import HFModel, SyntheticModel, build_tiny_qwen2
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from gramcoord.benchmarks._step_common import (
     load_requests,
     step_samples_ms,
 )
-from gramcoord.benchmarks._step_world import WorldOptions
+from gramcoord.benchmarks._step_ranks import WorldOptions
 from gramcoord.launch.procs import run_ranks
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.spec import validate_spec
@@ -91,7 +91,7 @@ def test_three_ways_agree_in_a_dp2_tp2_world(run_id):
         step_timeout_s=60.0,
         run_id=run_id,
     )
-    results = run_ranks("gramcoord.benchmarks._step_world:child", 4, args=(opts,), timeout=150)
+    results = run_ranks("gramcoord.benchmarks._step_ranks:child", 4, args=(opts,), timeout=150)
     values = [r.value for r in results]
     # Both raise OutputsDiffer on any difference between the four runs.
     records = bench.way_records(values, opts) + bench.fill_records(values, opts)

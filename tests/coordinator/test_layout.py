@@ -225,7 +225,7 @@ def test_step_routes_deliver_every_frame_once_from_its_origin(dp, pp, tp):
         assert (route.frame_src is None) == (c.pp == 0 and c.tp == 0), r
         for dst in route.frame_dsts:  # what a rank sends, its destination takes from it
             assert routes[dst].frame_src == r, (r, dst)
-        assert route.origin == layout.leader(c.dp, 0)
+        assert route.first_leader == layout.leader(c.dp, 0)
         assert route.last_leader == layout.leader(c.dp, pp - 1)
         assert route.prev_leader == (layout.leader(c.dp, c.pp - 1) if c.pp else None)
         assert route.next_leader == (layout.leader(c.dp, c.pp + 1) if c.pp < pp - 1 else None)
@@ -236,7 +236,7 @@ def test_step_routes_deliver_every_frame_once_from_its_origin(dp, pp, tp):
             assert at not in seen
             seen.add(at)
             at = routes[at].frame_src
-        assert at == routes[r].origin
+        assert at == routes[r].first_leader
 
 
 def test_step_route_of_a_two_stage_tp_pair():

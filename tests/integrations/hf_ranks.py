@@ -19,11 +19,11 @@ import msgspec
 import torch
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.engine.models import build_tiny_qwen2
 from gramcoord.integrations.hf.generate import GenerateSession
 from gramcoord.integrations.hf.tokenizer import encode_prompts, qwen25_hf_tokenizer
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.engine.models import build_tiny_qwen2
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.session.session import RankSession
 from gramcoord.rank_worker.session.types import SessionConfig

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gramcoord.launch import stacks
+from gramcoord.launch import stack_dump
 from tests.launch.entries import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,11 +226,11 @@ def _where_ranks_wait(pgid: int, argv: list[str]) -> str:
         return ""
     logs = Path(argv[argv.index("--out") + 1]) / "logs"
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, stacks.DUMP_SIGNAL)
-    found = stacks.collect(sorted(logs.glob("rank*.stacks")))
+        os.killpg(pgid, stack_dump.DUMP_SIGNAL)
+    found = stack_dump.collect(sorted(logs.glob("rank*.stacks")))
     if not found:
         return "; no rank answered the stack dump"
-    lines = [f"\n  {p.stem} {stacks.waiting_in(text)}" for p, text in sorted(found.items())]
+    lines = [f"\n  {p.stem} {stack_dump.waiting_in(text)}" for p, text in sorted(found.items())]
     return "; where each rank waits:" + "".join(lines)
 
 

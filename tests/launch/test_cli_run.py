@@ -295,7 +295,7 @@ def test_bench_runs_from_the_installed_package(installed, tmp_path):
 def test_editable_install_exposes_only_gramcoord(tmp_path):
     """Outside the checkout, the generic folder names are not importable."""
     code = (
-        "import importlib.util as u, gramcoord.launch.cli as c, gramcoord.rank_worker.engine.loop;"
+        "import importlib.util as u, gramcoord.launch.cli as c, gramcoord.engine.loop;"
         "print(c.__file__);"
         f"print([n for n in {_TOP_LEVEL} if u.find_spec(n)])"
     )

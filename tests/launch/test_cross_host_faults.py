@@ -70,7 +70,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from gramcoord.launch.hosts import SimulatedHosts, available  # noqa: E402
+from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

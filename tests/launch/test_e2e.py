@@ -55,7 +55,7 @@ def small_workload(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from gramcoord.rank_worker.engine.models import build_tiny_qwen2
+    from gramcoord.engine.models import build_tiny_qwen2
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     build_tiny_qwen2(path)

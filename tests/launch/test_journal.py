@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from gramcoord.engine.requests import EngineRequest, OutputRecord
 from gramcoord.launch.config import load_config
 from gramcoord.launch.journal import (
     JournalWriter,
@@ -19,7 +20,6 @@ from gramcoord.launch.journal import (
     resume_problem,
     unframe,
 )
-from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
 
 
 def record(rid: str, text: str = "{}") -> OutputRecord:
@@ -112,9 +112,9 @@ def test_an_output_line_is_one_json_object(tmp_path):
 
 
 def test_an_invalid_key_is_carried_into_the_next_attempt_and_a_timeout_is_not(tmp_path):
+    from gramcoord.engine.requests import ErrorInfo
     from gramcoord.launch.journal import carried_poison
     from gramcoord.rank_worker.config import GrammarConfig
-    from gramcoord.rank_worker.engine.requests import ErrorInfo
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
     bad = {"regex": "(a"}

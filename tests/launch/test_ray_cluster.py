@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available
 from gramcoord.launch.cli import main
-from gramcoord.launch.hosts import SimulatedHosts, available
 from gramcoord.launch.run import compare_runs
 
 OK, WHY = available()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available
 from gramcoord.launch.cli import main
-from gramcoord.launch.hosts import SimulatedHosts, available
 from gramcoord.launch.run import compare_runs
 from tests.launch.multihost import torchrun_on_hosts
 

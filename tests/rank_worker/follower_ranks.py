@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
+from gramcoord.engine.models import ModelRequest, SyntheticModel
+from gramcoord.engine.sampler import Sampler
 from gramcoord.rank_worker.config import GrammarConfig, SamplingConfig, SchedulerConfig
-from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
-from gramcoord.rank_worker.engine.sampler import Sampler
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
@@ -46,7 +46,7 @@ def scheduler_body(rank: int, world: int, mode: str, max_tokens: int = 64) -> di
     session = RankSession.attach(tok, config, force_sync=False)
     # The same calls on both sides: the leader's roles, or the follower's.
     sched = session.leader if session.is_leader else session.follower
-    masks = session.masks
+    masks = session.stage_masks
     model, sampler = SyntheticModel(tok), Sampler(SamplingConfig())
     reqs = {rid: (spec, ref) for rid, spec, ref in requests()}
     log, outputs, mask_ms = [], {}, []

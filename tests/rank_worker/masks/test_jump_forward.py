@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState

@@ -29,8 +29,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel, vocab_index
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.models import ModelRequest, SyntheticModel, vocab_index
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpForward
@@ -184,7 +184,7 @@ def _model(tokenizer: Tokenizer, kind: str):
         return SyntheticModel(tokenizer)
     if kind == "background":
         return ReferenceOrBackground(tokenizer)
-    from gramcoord.rank_worker.engine.models import HFModel, build_tiny_qwen2
+    from gramcoord.engine.models import HFModel, build_tiny_qwen2
 
     tiny = build_tiny_qwen2(vocab_size=tokenizer.vocab_size)
     return HFModel(tiny, vocab_size=tokenizer.vocab_size)

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.drafter import NgramDrafter, ReplayDrafter
-from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.drafter import NgramDrafter, ReplayDrafter
+from gramcoord.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.grammar_state import GrammarState, strip_padding

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gramcoord.coordinator.pending_report import GatherCodec, ReduceCodec, fingerprint, window_of
 from gramcoord.coordinator.pipeline import DecisionCodec
 from gramcoord.coordinator.poison_share import pack_records, unpack_records
-from gramcoord.coordinator.report import GatherCodec, ReduceCodec, fingerprint, window_of
 from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
 
 

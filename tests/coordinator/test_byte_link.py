@@ -13,8 +13,8 @@ from collections import defaultdict, deque
 import numpy as np
 import pytest
 
-from gramcoord.coordinator.links import INLINE_BYTES, TAG_HEADER, TAG_PAYLOAD, ByteLink
-from tests.coordinator import link_ranks
+from gramcoord.coordinator.byte_link import INLINE_BYTES, TAG_HEADER, TAG_PAYLOAD, ByteLink
+from tests.coordinator import byte_link_ranks
 from tests.procs import run_ranks
 
 
@@ -140,12 +140,12 @@ def test_gather_with_root_alone():
 @pytest.mark.spawn
 @pytest.mark.timeout(120)
 def test_two_ranks_over_gloo():
-    r0, r1 = (r.value for r in run_ranks(link_ranks.link_body, 2, timeout=100))
-    msgs = link_ranks.messages()
+    r0, r1 = (r.value for r in run_ranks(byte_link_ranks.link_body, 2, timeout=100))
+    msgs = byte_link_ranks.messages()
     burst = [b"b0", b"", b"b2" * 1000]
-    assert r1["got"] == [link_ranks.digest(m) for m in msgs]
-    assert r0["got"] == [link_ranks.digest(link_ranks.reply(m)) for m in msgs] + [
-        link_ranks.digest(m) for m in burst
+    assert r1["got"] == [byte_link_ranks.digest(m) for m in msgs]
+    assert r0["got"] == [byte_link_ranks.digest(byte_link_ranks.reply(m)) for m in msgs] + [
+        byte_link_ranks.digest(m) for m in burst
     ]
     assert r0["gathered"] == [b"report of rank 0", b"report of rank 1"]
     assert r1["gathered"] == []

@@ -19,9 +19,9 @@ from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.coordinator import Coordinator
 from gramcoord.coordinator.errors import PeerLostError
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.levels import HOST_GROUP, LEADER_GROUP
 from gramcoord.coordinator.runtime import Runtime
 from gramcoord.coordinator.status import LocalStatus, PendingState
+from gramcoord.coordinator.two_level import HOST_GROUP, LEADER_GROUP
 
 CLONE_NEWUTS = 0x04000000
 WINDOW = 96

@@ -5,12 +5,12 @@ from __future__ import annotations
 import select
 import time
 
-from gramcoord.launch import stacks
+from gramcoord.launch import stack_dump
 from gramcoord.launch.procs import ProcGroup, run_procs
 
 
 def _blocked_in_select(ready, path):
-    stacks.arm(path)
+    stack_dump.arm(path)
     r, _w = __import__("os").pipe()
     ready.set()
     select.select([r], [], [])  # never readable: the "collective" nobody joins
@@ -34,8 +34,8 @@ def test_dump_names_the_blocking_call_and_our_frame(tmp_path):
         end = time.monotonic() + 120
         line = ""
         while not line.startswith("waiting in _blocked_in_select") and time.monotonic() < end:
-            line = stacks.waiting_in(stacks.dump({0: proc.pid}, {0: path})[0])
-    assert line.startswith("waiting in _blocked_in_select (tests/launch/test_stacks.py:")
+            line = stack_dump.waiting_in(stack_dump.dump({0: proc.pid}, {0: path})[0])
+    assert line.startswith("waiting in _blocked_in_select (tests/launch/test_stack_dump.py:")
 
 
 def test_waiting_in_reads_the_current_thread_of_a_faulthandler_dump():
@@ -45,14 +45,14 @@ def test_waiting_in_reads_the_current_thread_of_a_faulthandler_dump():
         "\n"
         "Current thread 0x00007f0000000002 (most recent call first):\n"
         '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 3950 in all_gather\n'
-        f'  File "{stacks._ROOT}coordinator/agreement.py", line 118 in _exchange\n'
-        f'  File "{stacks._ROOT}launch/procs.py", line 210 in _child\n'
+        f'  File "{stack_dump._ROOT}coordinator/agreement.py", line 118 in _exchange\n'
+        f'  File "{stack_dump._ROOT}launch/procs.py", line 210 in _child\n'
     )
-    assert stacks.waiting_in(text) == (
+    assert stack_dump.waiting_in(text) == (
         "waiting in all_gather (torch/distributed/distributed_c10d.py:3950)"
         " from coordinator/agreement.py:118 in _exchange"
     )
-    assert stacks.waiting_in("") == "no stack (it did not answer the dump signal)"
+    assert stack_dump.waiting_in("") == "no stack (it did not answer the dump signal)"
 
 
 def test_run_procs_deadline_lists_every_rank_still_running():
@@ -75,9 +75,9 @@ def test_a_rank_writes_its_stacks_on_sigusr1_and_leaves_no_empty_file(tmp_path):
 
     with _RankLogs(tmp_path, 3):
         os.kill(os.getpid(), signal.SIGUSR1)
-        text = stacks.collect([tmp_path / "logs" / "rank3.stacks"])
+        text = stack_dump.collect([tmp_path / "logs" / "rank3.stacks"])
     assert "Current thread" in next(iter(text.values()))
-    assert "test_a_rank_writes_its_stacks" in stacks.waiting_in(next(iter(text.values())))
+    assert "test_a_rank_writes_its_stacks" in stack_dump.waiting_in(next(iter(text.values())))
     with _RankLogs(tmp_path, 4):
         pass  # never signalled: no file is left behind
     assert not (tmp_path / "logs" / "rank4.stacks").exists()
@@ -85,10 +85,10 @@ def test_a_rank_writes_its_stacks_on_sigusr1_and_leaves_no_empty_file(tmp_path):
 
 _HUNG_RANK = """
 import pathlib, select, sys, os
-from gramcoord.launch import stacks
+from gramcoord.launch import stack_dump
 logs = pathlib.Path(sys.argv[1]) / "logs"
 logs.mkdir(parents=True)
-stacks.arm(logs / "rank0.stacks")
+stack_dump.arm(logs / "rank0.stacks")
 def wait_for_peer():
     (logs / "ready").write_text("1")
     select.select([os.pipe()[0]], [], [])

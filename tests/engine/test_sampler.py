@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import torch
 
+from gramcoord.engine.sampler import Sampler, uniform_bits
 from gramcoord.rank_worker.config import SamplingConfig
-from gramcoord.rank_worker.engine.sampler import Sampler, uniform_bits
 
 V = 151_936
 NEG = float("-inf")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gramcoord.engine.drafter import NgramDrafter, ReplayDrafter, make_drafter
+from gramcoord.engine.models import ModelRequest
 from gramcoord.rank_worker.config import SpeculativeConfig
-from gramcoord.rank_worker.engine.drafter import NgramDrafter, ReplayDrafter, make_drafter
-from gramcoord.rank_worker.engine.models import ModelRequest
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from gramcoord.benchmarks._contract import BenchRecord
-from gramcoord.rank_worker.engine.timings import Percentiles
+from gramcoord.engine.timings import Percentiles
 
 # (label, key in summary.json's latency_ms): the parts of one step.
 PHASES = (

@@ -27,8 +27,8 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from gramcoord.engine.models import ModelRequest, vocab_index
 from gramcoord.rank_worker.config import SpeculativeConfig
-from gramcoord.rank_worker.engine.models import ModelRequest, vocab_index
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 

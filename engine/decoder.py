@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from gramcoord.rank_worker.engine.acceptance import accepted_tokens, finish_reason
-from gramcoord.rank_worker.engine.drafter import Drafter
-from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
+from gramcoord.engine.acceptance import accepted_tokens, finish_reason
+from gramcoord.engine.drafter import Drafter
+from gramcoord.engine.models import LogitsSource, ModelRequest
 from gramcoord.rank_worker.errors import GrammarError
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, trim_drafts

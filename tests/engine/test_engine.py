@@ -1,4 +1,4 @@
-"""The step loop's parts: frames, draft acceptance, the origin, one-process runs,
+"""The step loop's parts: frames, draft acceptance, the scheduler, one-process runs,
 and the run summary's merge of rank reports."""
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ import json
 import msgspec
 import pytest
 
-from gramcoord.launch.summary import Mismatch, digests_by_request, merge
-from gramcoord.launch.validity import JsonChecker
-from gramcoord.rank_worker.config import SamplingConfig, SpeculativeConfig
-from gramcoord.rank_worker.engine import frames
-from gramcoord.rank_worker.engine.acceptance import accepted_tokens, finish_reason
-from gramcoord.rank_worker.engine.frames import (
+from gramcoord.engine import messages
+from gramcoord.engine.acceptance import accepted_tokens, finish_reason
+from gramcoord.engine.loop import RankReport, replica_requests, run_loop
+from gramcoord.engine.messages import (
     Arrivals,
     BatchFrame,
     NewRequest,
@@ -24,11 +22,13 @@ from gramcoord.rank_worker.engine.frames import (
     Submitted,
     TokenResult,
 )
-from gramcoord.rank_worker.engine.loop import RankReport, replica_requests, run_loop
-from gramcoord.rank_worker.engine.models import SyntheticModel
-from gramcoord.rank_worker.engine.origin import Origin
-from gramcoord.rank_worker.engine.requests import EngineRequest, ErrorInfo, OutputRecord
-from gramcoord.rank_worker.engine.sampler import Sampler
+from gramcoord.engine.models import SyntheticModel
+from gramcoord.engine.requests import EngineRequest, ErrorInfo, OutputRecord
+from gramcoord.engine.sampler import Sampler
+from gramcoord.engine.scheduler import Scheduler
+from gramcoord.launch.summary import Mismatch, digests_by_request, merge
+from gramcoord.launch.validity import JsonChecker
+from gramcoord.rank_worker.config import SamplingConfig, SpeculativeConfig
 from gramcoord.rank_worker.grammars.outcome import ManagerStats, Outcome
 from gramcoord.rank_worker.session.digest import DigestRecord, MaskDigests
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig, SessionStats
@@ -69,9 +69,9 @@ TYPES = (Arrivals, BatchFrame, StepResults)
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: f"{type(m).__name__}")
 def test_frames_round_trip(message):
-    data = frames.encode(message)
+    data = messages.encode(message)
     assert isinstance(data, bytes)
-    again = frames.decode(data, type(message))
+    again = messages.decode(data, type(message))
     assert again == message and type(again) is type(message)
 
 
@@ -82,15 +82,15 @@ def test_frames_round_trip(message):
 )
 def test_frames_decode_of_the_wrong_type_raises(message, kind):
     with pytest.raises(msgspec.ValidationError):
-        frames.decode(frames.encode(message), kind)
+        messages.decode(messages.encode(message), kind)
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.__name__)
 def test_frames_decode_of_garbage_raises(kind):
     with pytest.raises(msgspec.DecodeError):
-        frames.decode(b"\xc1\x00garbage", kind)
+        messages.decode(b"\xc1\x00garbage", kind)
     with pytest.raises(msgspec.DecodeError):
-        frames.decode(frames.encode(MESSAGES[1])[:-3], kind)
+        messages.decode(messages.encode(MESSAGES[1])[:-3], kind)
 
 
 # -- acceptance: accepted_tokens, finish_reason --------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_finish_reason(terminated, accepted, length, expected):
     assert got == expected
 
 
-# -- Origin ---------------------------------------------------------------------
+# -- Scheduler ---------------------------------------------------------------------
 
 
 class FakeSubmit:
@@ -194,9 +194,9 @@ WORKLOAD = [
 
 def test_origin_arrivals_all_at_once(tiny_tokenizer):
     submit = FakeSubmit(fail={"f4": "spec_bad_json"})
-    origin = Origin(WORKLOAD, tiny_tokenizer, submit, max_num_seqs=4)
-    assert not origin.idle and origin.num_requests == len(WORKLOAD)
-    arrivals = origin.arrive(0)
+    scheduler = Scheduler(WORKLOAD, tiny_tokenizer, submit, max_num_seqs=4)
+    assert not scheduler.idle and scheduler.num_requests == len(WORKLOAD)
+    arrivals = scheduler.arrive(0)
     assert arrivals.step == 0
     # Constrained requests only, failed submissions included (they hold a seq).
     assert [(s.request_id, s.seq) for s in arrivals.requests] == [
@@ -204,76 +204,76 @@ def test_origin_arrivals_all_at_once(tiny_tokenizer):
     ]
     assert json.loads(arrivals.requests[0].spec_json) == {"regex": "c0+"}
     assert [c[0] for c in submit.calls] == ["c0", "c2", "c3", "f4", "c5"]
-    out = origin.outputs
+    out = scheduler.outputs
     assert out["bad"].status == "failed" and out["bad"].error.code == "record_invalid"
     assert out["f4"].error == ErrorInfo("spec_bad_json", "nope")
     assert out["f4"].finish_reason == "error"
     assert out["c0"].error.code == "duplicate_request_id"  # until the original finishes
-    assert origin.arrive(1).requests == ()
+    assert scheduler.arrive(1).requests == ()
 
 
 def test_origin_arrivals_per_step(tiny_tokenizer):
-    everything = Origin(WORKLOAD, tiny_tokenizer, FakeSubmit(), max_num_seqs=4).arrive(0)
-    origin = Origin(WORKLOAD, tiny_tokenizer, FakeSubmit(), max_num_seqs=4, per_step=3)
+    everything = Scheduler(WORKLOAD, tiny_tokenizer, FakeSubmit(), max_num_seqs=4).arrive(0)
+    scheduler = Scheduler(WORKLOAD, tiny_tokenizer, FakeSubmit(), max_num_seqs=4, per_step=3)
     got = []
     for step in range(4):
-        arrivals = origin.arrive(step)
+        arrivals = scheduler.arrive(step)
         assert arrivals.step == step
         got += arrivals.requests
     assert tuple(got) == everything.requests
-    first = Origin(WORKLOAD, tiny_tokenizer, FakeSubmit(), max_num_seqs=4, per_step=3)
+    first = Scheduler(WORKLOAD, tiny_tokenizer, FakeSubmit(), max_num_seqs=4, per_step=3)
     assert [s.request_id for s in first.arrive(0).requests] == ["c0", "c2"]
 
 
 def test_origin_failed_submit_without_seq_is_not_forwarded(tiny_tokenizer):
-    origin = Origin(
+    scheduler = Scheduler(
         [creq("a"), creq("b")], tiny_tokenizer, FakeSubmit(no_seq=("a",)), max_num_seqs=2
     )
-    arrivals = origin.arrive(0)
+    arrivals = scheduler.arrive(0)
     assert [s.request_id for s in arrivals.requests] == ["b"]
-    assert origin.outputs["a"].error.code == "bad_request_id"
+    assert scheduler.outputs["a"].error.code == "bad_request_id"
 
 
 def test_origin_spec_that_is_not_json_fails_without_submitting(tiny_tokenizer):
     submit = FakeSubmit()
-    origin = Origin(
+    scheduler = Scheduler(
         [EngineRequest(request_id="s", spec={"json": {1, 2}})],
         tiny_tokenizer,
         submit,
         max_num_seqs=2,
     )
-    assert origin.arrive(0).requests == ()
-    assert submit.calls == [] and origin.outputs["s"].error.code == "spec_bad_json"
-    assert origin.idle
+    assert scheduler.arrive(0).requests == ()
+    assert submit.calls == [] and scheduler.outputs["s"].error.code == "spec_bad_json"
+    assert scheduler.idle
 
 
-def _started(origin: Origin) -> Origin:
-    origin.arrive(0)
-    return origin
+def _started(scheduler: Scheduler) -> Scheduler:
+    scheduler.arrive(0)
+    return scheduler
 
 
 def test_origin_decided_plan_apply_finish(tiny_tokenizer):
     stop = tiny_tokenizer.stop_ids[0]
     reqs = [creq("c0", max_tokens=9), ureq("u1", max_tokens=5), creq("c2"), creq("c3")]
-    origin = _started(Origin(reqs, tiny_tokenizer, FakeSubmit(), max_num_seqs=2))
-    assert not origin.idle
+    scheduler = _started(Scheduler(reqs, tiny_tokenizer, FakeSubmit(), max_num_seqs=2))
+    assert not scheduler.idle
     # Before any decision only the unconstrained request runs.
-    f0 = origin.plan(0)
+    f0 = scheduler.plan(0)
     assert [s.request_id for s in f0.batch] == ["u1"]
     assert f0.started == (NewRequest("u1", False, tuple(tiny_tokenizer.encode("hi")), None, 5),)
-    origin.decided(
+    scheduler.decided(
         [admitted("c0", 0), admitted("c2", 2, compile_ms=1.5)],
         [Outcome(request_id="c3", seq=3, status="failed", code="grammar_invalid", compile_ms=2.5)],
     )
-    c3 = origin.outputs["c3"]
+    c3 = scheduler.outputs["c3"]
     assert (c3.status, c3.error.code, c3.compile_ms) == ("failed", "grammar_invalid", 2.5)
     # FIFO, capped at max_num_seqs; each request is started once.
-    f1 = origin.plan(1)
+    f1 = scheduler.plan(1)
     assert [s.request_id for s in f1.batch] == ["u1", "c0"]
     assert [n.request_id for n in f1.started] == ["c0"]
     assert f1.started[0].constrained and f1.started[0].max_tokens == 9
     assert f1.batch == (Scheduled("u1", 0, (), ()), Scheduled("c0", 0, (), ()))
-    origin.apply(
+    scheduler.apply(
         StepResults(
             step=1,
             results=(
@@ -283,14 +283,14 @@ def test_origin_decided_plan_apply_finish(tiny_tokenizer):
             ),
         )
     )
-    f2 = origin.plan(2)
+    f2 = scheduler.plan(2)
     assert f2.started == () and f2.finished == ()
     assert f2.batch == (
         Scheduled("u1", 0, (104, 105), (33,)),
         Scheduled("c0", 0, (99, 48, 43), (43, 43)),
     )
     # A rollback drops tokens before appending the new ones.
-    origin.apply(
+    scheduler.apply(
         StepResults(
             step=2,
             results=(
@@ -299,17 +299,17 @@ def test_origin_decided_plan_apply_finish(tiny_tokenizer):
             ),
         )
     )
-    u1 = origin.outputs["u1"]
+    u1 = scheduler.outputs["u1"]
     assert (u1.status, u1.finish_reason, u1.error) == ("ok", "stop", None)
     assert u1.text == "hi!" and u1.token_ids == [104, 105, 33, stop]
     assert u1.model_steps == 3 and u1.cache == "none"
-    f3 = origin.plan(3)
+    f3 = scheduler.plan(3)
     assert f3.finished == ("u1",)
     assert [n.request_id for n in f3.started] == ["c2"]
     assert f3.batch == (Scheduled("c0", 2, (43, 43, 43), ()), Scheduled("c2", 0, (), ()))
     # The change was handed on: the next frame carries none.
-    assert origin.plan(4).batch[0] == Scheduled("c0", 0, (), ())
-    origin.apply(
+    assert scheduler.plan(4).batch[0] == Scheduled("c0", 0, (), ())
+    scheduler.apply(
         StepResults(
             step=4,
             results=(
@@ -325,33 +325,33 @@ def test_origin_decided_plan_apply_finish(tiny_tokenizer):
             ),
         )
     )
-    c0 = origin.outputs["c0"]
+    c0 = scheduler.outputs["c0"]
     assert c0.status == "ok" and c0.finish_reason == "grammar_end"
     assert c0.token_ids == [99, 43, 43, 43, stop] and c0.text == "c+++"
     assert (c0.cache, c0.model_steps, c0.jump_forward_tokens) == ("hit", 4, 3)
-    c2 = origin.outputs["c2"]
+    c2 = scheduler.outputs["c2"]
     assert (c2.status, c2.finish_reason, c2.error) == (
         "failed",
         "error",
         ErrorInfo("token_rejected", "bad token"),
     )
     assert c2.compile_ms == 1.5
-    assert origin.idle and origin.num_finished == 4
-    last = origin.plan(5, done=True)
+    assert scheduler.idle and scheduler.num_finished == 4
+    last = scheduler.plan(5, done=True)
     assert last.done and last.batch == () and set(last.finished) == {"c0", "c2"}
 
 
 def test_origin_idle_waits_for_pending_and_arrivals(tiny_tokenizer):
-    origin = Origin(
+    scheduler = Scheduler(
         [creq("a"), creq("b")], tiny_tokenizer, FakeSubmit(), max_num_seqs=2, per_step=1
     )
-    origin.arrive(0)
-    origin.decided([], [Outcome(request_id="a", seq=0, status="failed", code="x")])
-    assert not origin.idle  # "b" has not arrived
-    origin.arrive(1)
-    assert not origin.idle  # "b" is pending
-    origin.decided([], [Outcome(request_id="b", seq=1, status="failed", code="x")])
-    assert origin.idle
+    scheduler.arrive(0)
+    scheduler.decided([], [Outcome(request_id="a", seq=0, status="failed", code="x")])
+    assert not scheduler.idle  # "b" has not arrived
+    scheduler.arrive(1)
+    assert not scheduler.idle  # "b" is pending
+    scheduler.decided([], [Outcome(request_id="b", seq=1, status="failed", code="x")])
+    assert scheduler.idle
 
 
 def test_replica_requests():

@@ -18,7 +18,7 @@ from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.coordinator import Coordinator
 from gramcoord.coordinator.errors import CoordinatorError, LayoutError
 from gramcoord.coordinator.layout import HostLevels, ParallelLayout
-from tests.coordinator import level_ranks
+from tests.coordinator import two_level_ranks
 from tests.coordinator.fakes import TIMEOUT_S, ThreadComm, ThreadHub
 from tests.procs import run_ranks
 
@@ -99,9 +99,9 @@ def test_two_level_decides_what_flat_decides_threads(layout, hosts):
     hub = ThreadHub()
     comms = {r: LevelComm(hub, layout, r, hosts) for r in ranks}
     (levels,) = layout.host_levels(tuple(hosts))
-    coords = {r: level_ranks.coordinators(layout, comms[r], levels) for r in ranks}
+    coords = {r: two_level_ranks.coordinators(layout, comms[r], levels) for r in ranks}
     with ThreadPoolExecutor(len(ranks)) as pool:
-        futures = {r: pool.submit(level_ranks.run_steps, r, coords[r], 8) for r in ranks}
+        futures = {r: pool.submit(two_level_ranks.run_steps, r, coords[r], 8) for r in ranks}
         decided = {r: f.result(timeout=TIMEOUT_S * 3) for r, f in futures.items()}
     assert all(
         c[f"host/{op}"][0].levels == levels
@@ -109,7 +109,7 @@ def test_two_level_decides_what_flat_decides_threads(layout, hosts):
         for op in ("all_gather", "all_reduce")
     )
     first = decided[ranks[0]]
-    for op in level_ranks.OPS:
+    for op in two_level_ranks.OPS:
         assert first[f"host/{op}"] == first[f"flat/{op}"]
         assert any(d[0] and d[1] for d in first[f"flat/{op}"]), "decisions must be non-trivial"
     assert all(d == first for d in decided.values())
@@ -122,7 +122,7 @@ def test_two_level_returns_the_flat_arrays_threads():
     hub = ThreadHub()
     comms = [LevelComm(hub, layout, r, hosts) for r in range(5)]
     (levels,) = layout.host_levels(tuple(hosts))
-    from gramcoord.coordinator.levels import TwoLevel
+    from gramcoord.coordinator.two_level import TwoLevel
 
     def one(r):
         two, row = TwoLevel(comms[r], levels), np.arange(6, dtype=np.int64) * (r + 1) - r
@@ -148,7 +148,11 @@ def test_two_level_returns_the_flat_arrays_threads():
 def test_two_level_over_real_hostnames_matches_flat():
     world, hosts, steps = 5, "ABABA", 6
     results = run_ranks(
-        level_ranks.levels_body, world, args=(hosts, steps), timeout=120, env=level_ranks.ENV
+        two_level_ranks.levels_body,
+        world,
+        args=(hosts, steps),
+        timeout=120,
+        env=two_level_ranks.ENV,
     )
     values = [r.value for r in results]
     want = HostLevels((0, 1, 2, 3, 4), ((0, 2, 4), (1, 3)), (0, 1))
@@ -160,7 +164,7 @@ def test_two_level_over_real_hostnames_matches_flat():
     assert [v["groups"]["agreement_leaders"] for v in values] == [(0, 1), (0, 1), (), (), ()]
     first = values[0]["decided"]
     assert all(v["decided"] == first for v in values)
-    for op in level_ranks.OPS:
+    for op in two_level_ranks.OPS:
         assert first[f"host/{op}"] == first[f"flat/{op}"]
         assert len(first[f"host/{op}"]) == steps
         assert any(d[0] and d[1] for d in first[f"flat/{op}"])
@@ -173,11 +177,11 @@ def test_two_level_over_real_hostnames_matches_flat():
 def test_two_level_survivors_of_a_lost_rank_raise_in_bounded_time(victim):
     hosts, timeout_s = "AABB", 2.0
     results = run_ranks(
-        level_ranks.lost_body,
+        two_level_ranks.lost_body,
         4,
         args=(hosts, victim, timeout_s),
         timeout=90,
-        env=level_ranks.ENV,
+        env=two_level_ranks.ENV,
         check=False,
     )
     for r in results:

@@ -2,15 +2,15 @@
 
 The roles (docs/design.md, "One step of our own loop"):
 
-- **origin**, the stage-0 leader of a replica: submits arrivals, runs the
+- **the scheduler**, the stage-0 leader of a replica: submits arrivals, runs the
   agreement (``session.leader.step``), plans the batch and sends it on, then takes
-  the last stage's results (``Origin``);
+  the last stage's results (``Scheduler``);
 - **later stage leaders**: add stage 0's arrivals with stage 0's sequence
   numbers, follow the decision, forward the batch, and on the last stage
-  build masks and accept tokens (``LastStage``);
+  build masks and accept tokens (``ModelRunner``);
 - **TP workers**: take the batch from the rank before them (their leader
   on stage 0, else the same tp index on the previous stage), pass it on, and
-  on the last stage compute, mask and sample (``LastStage``).
+  on the last stage compute, mask and sample (``ModelRunner``).
 
 Every rank leaves the loop after the same step: stage 0 marks the last
 frame ``done`` once every replica is idle (with partitioned replicas, the
@@ -26,16 +26,16 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from gramcoord.engine import messages
+from gramcoord.engine.drafter import make_drafter
+from gramcoord.engine.messages import Arrivals, BatchFrame, StageFailure, StepResults
+from gramcoord.engine.model_runner import ModelRunner
+from gramcoord.engine.models import LogitsSource
+from gramcoord.engine.requests import EngineRequest, OutputRecord
+from gramcoord.engine.sampler import Sampler
+from gramcoord.engine.scheduler import Scheduler
+from gramcoord.engine.timings import Timings
 from gramcoord.rank_worker.config import SpeculativeConfig
-from gramcoord.rank_worker.engine import frames
-from gramcoord.rank_worker.engine.drafter import make_drafter
-from gramcoord.rank_worker.engine.frames import Arrivals, BatchFrame, StageFailure, StepResults
-from gramcoord.rank_worker.engine.last_stage import LastStage
-from gramcoord.rank_worker.engine.models import LogitsSource
-from gramcoord.rank_worker.engine.origin import Origin
-from gramcoord.rank_worker.engine.requests import EngineRequest, OutputRecord
-from gramcoord.rank_worker.engine.sampler import Sampler
-from gramcoord.rank_worker.engine.timings import Timings
 from gramcoord.rank_worker.session.digest import DigestRecord
 from gramcoord.rank_worker.session.session import RankSession, SessionStats
 
@@ -51,7 +51,7 @@ class RankReport(msgspec.Struct, kw_only=True):
     coords: tuple[int, int, int]
     steps: int
     wall_s: float
-    # Origin ranks: one record per request of the replica.
+    # Stage-0 leaders: one record per request of the replica.
     outputs: list[OutputRecord] = msgspec.field(default_factory=list)
     # Last-stage ranks: the digest of every committed mask row.
     digests: list[DigestRecord] = msgspec.field(default_factory=list)
@@ -88,16 +88,16 @@ def run_loop(
     Parameters
     ----------
     requests:
-        The whole workload; the origin takes its replica's share.
+        The whole workload; the scheduler takes its replica's share.
     per_step:
-        Arrivals per step at each origin; 0 = everything at step 0.
+        Arrivals per step at each stage-0 leader; 0 = everything at step 0.
     progress:
-        ``(finished, total)`` after each step, on origin ranks.
+        ``(finished, total)`` after each step, on stage-0 leaders.
     on_step:
         Called with the step number as each step starts, on every rank
         (resource sampling).
     on_output:
-        Origin ranks: each request's record as it ends (the journal).
+        Stage-0 leaders: each request's record as it ends (the journal).
     on_request_end:
         Last-stage ranks: ``(request, [(position, digest), ...])`` as each
         request leaves the rank (the journal).
@@ -114,7 +114,7 @@ def run_loop(
     tokenizer = session.tokenizer
     last = None
     if session.is_last_stage:
-        last = LastStage(
+        last = ModelRunner(
             session,
             model,
             sampler,
@@ -124,12 +124,12 @@ def run_loop(
             else None,
             on_request_end=on_request_end,
         )
-    origin = None
+    scheduler = None
     if session.is_leader and c.pp == 0:
         mine = replica_requests(
             requests, dp=layout.dp, replica=c.dp, replicated=layout.requests == "replicated"
         )
-        origin = Origin(
+        scheduler = Scheduler(
             mine,
             tokenizer,
             session.leader.submit,
@@ -147,15 +147,15 @@ def run_loop(
                 faults.on_step(step)
             if on_step is not None:
                 on_step(step)
-            if origin is not None:
-                frame = _origin_step(session, origin, last, step, route, timings)
+            if scheduler is not None:
+                frame = _scheduler_step(session, scheduler, last, step, route, timings)
                 if progress is not None:
-                    progress(origin.num_finished, origin.num_requests)
+                    progress(scheduler.num_finished, scheduler.num_requests)
             elif session.is_leader:
                 frame = _follower_step(session, last, step, route, timings)
             else:
                 raw = link.recv(route.frame_src, operation="batch frame", step=step)
-                frame = frames.decode(raw, BatchFrame)
+                frame = messages.decode(raw, BatchFrame)
                 for dst in route.frame_dsts:
                     link.send(dst, raw, operation="batch frame", step=step)
                 if last is not None:
@@ -174,7 +174,7 @@ def run_loop(
         coords=(c.dp, c.pp, c.tp),
         steps=step + 1,
         wall_s=round(time.perf_counter() - t_start, 3),
-        outputs=list(origin.outputs.values()) if origin is not None else [],
+        outputs=list(scheduler.outputs.values()) if scheduler is not None else [],
         digests=digests.records() if digests is not None else [],
         self_mismatches=len(digests.self_mismatches) if digests is not None else 0,
         self_mismatch_rows=list(digests.self_mismatches[:10]) if digests is not None else [],
@@ -184,37 +184,37 @@ def run_loop(
     )
 
 
-def _origin_step(session, origin, last, step, route, timings) -> BatchFrame:
+def _scheduler_step(session, scheduler, last, step, route, timings) -> BatchFrame:
     link = session.link
-    arrivals = origin.arrive(step)
+    arrivals = scheduler.arrive(step)
     if route.next_leader is not None:
-        link.send(route.next_leader, frames.encode(arrivals), operation="arrivals", step=step)
+        link.send(route.next_leader, messages.encode(arrivals), operation="arrivals", step=step)
     layout = session.layout
     # Replicated streams finish on the same step everywhere by construction;
     # partitioned ones vote (on the posted poison exchange, which is a
     # collective), so every replica keeps stepping until the vote that
-    # settles says all of them were idle (an idle origin stays idle).
+    # settles says all of them were idle (an idle scheduler stays idle).
     votes = layout.dp > 1 and layout.requests == "partitioned"
     t0 = time.perf_counter()
-    decided = session.leader.step(step, busy=not origin.idle if votes else None)
+    decided = session.leader.step(step, busy=not scheduler.idle if votes else None)
     timings.add("agreement", (time.perf_counter() - t0) * 1e3)
-    origin.decided(decided.admitted, decided.failed)
-    done = decided.all_idle is True if votes else origin.idle
-    frame = origin.plan(step, done=done)
+    scheduler.decided(decided.admitted, decided.failed)
+    done = decided.all_idle is True if votes else scheduler.idle
+    frame = scheduler.plan(step, done=done)
     if not frame.batch and not done and session.runtime is None:
         # One process with nothing to run yet: compiles are pending. Peers
         # pace multi-rank loops through their collectives; alone, don't spin.
         time.sleep(IDLE_WAIT_S)
-    raw = frames.encode(frame)
+    raw = messages.encode(frame)
     for dst in route.frame_dsts:
         link.send(dst, raw, operation="batch frame", step=step)
     if last is not None:
         results = last.run(frame)
     else:
-        results = frames.decode(
+        results = messages.decode(
             link.recv(route.last_leader, operation="step results", step=step), StepResults
         )
-    origin.apply(results)
+    scheduler.apply(results)
     if last is None:  # the last stage's leader forgot them already (same session if pp == 1)
         for res in results.results:
             if res.finish_reason is not None:
@@ -227,7 +227,7 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
     raw = link.recv(route.prev_leader, operation="arrivals", step=step)
     if route.next_leader is not None:
         link.send(route.next_leader, raw, operation="arrivals", step=step)
-    arrivals = frames.decode(raw, Arrivals)
+    arrivals = messages.decode(raw, Arrivals)
     stage = session.leader
     for sub in arrivals.requests:
         stage.submit(
@@ -239,7 +239,7 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
     failures = tuple(
         StageFailure(o.request_id, o.code or "failed", o.message) for o in decided.stage_failed
     )
-    frame = frames.decode(
+    frame = messages.decode(
         link.recv(route.frame_src, operation="batch frame", step=step), BatchFrame
     )
     for rid in frame.finished:
@@ -247,10 +247,10 @@ def _follower_step(session, last, step, route, timings) -> BatchFrame:
     if route.next_leader is not None:
         forward = msgspec.structs.replace(frame, failed_upstream=frame.failed_upstream + failures)
         for dst in route.frame_dsts:
-            link.send(dst, frames.encode(forward), operation="batch frame", step=step)
+            link.send(dst, messages.encode(forward), operation="batch frame", step=step)
         return frame
     for f in failures:
         last.stage_failures.setdefault(f.request_id, (f.code, f.message))
     results = last.run(frame)
-    link.send(route.origin, frames.encode(results), operation="step results", step=step)
+    link.send(route.first_leader, messages.encode(results), operation="step results", step=step)
     return frame

@@ -17,11 +17,11 @@ import msgspec
 import torch.distributed as dist
 
 from gramcoord.benchmarks._step_common import KERNEL_HOOK, RankRun, load_requests
-from gramcoord.benchmarks._step_floor import FloorRun, measure_floor
+from gramcoord.benchmarks._step_lower_bound import FloorRun, measure_floor
 from gramcoord.benchmarks._step_ours import run_ours
 from gramcoord.benchmarks._step_sglang import run_sglang
 from gramcoord.benchmarks._step_vllm import run_vllm
-from gramcoord.rank_worker.engine.models import SyntheticModel, vocab_index
+from gramcoord.engine.models import SyntheticModel, vocab_index
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 
 DP, TP = 2, 2

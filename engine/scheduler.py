@@ -1,6 +1,6 @@
 """Stage 0's side of the step loop: arrivals, admission, scheduling, outputs.
 
-The stage-0 leader of each data-parallel replica is the origin of its
+The stage-0 leader of each data-parallel replica is the scheduler of its
 replica's requests. Each step it
 
 1. submits the step's arrivals to the session (constrained requests) or
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gramcoord.rank_worker.engine.frames import (
+from gramcoord.engine.messages import (
     Arrivals,
     BatchFrame,
     NewRequest,
@@ -31,7 +31,7 @@ from gramcoord.rank_worker.engine.frames import (
     StepResults,
     Submitted,
 )
-from gramcoord.rank_worker.engine.requests import (
+from gramcoord.engine.requests import (
     EngineRequest,
     ErrorInfo,
     OutputRecord,
@@ -57,7 +57,7 @@ class _Running:
     jumped: int = 0
 
 
-class Origin:
+class Scheduler:
     """The request stream of one replica, at its stage-0 leader.
 
     Parameters

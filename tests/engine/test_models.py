@@ -8,15 +8,15 @@ import sys
 import pytest
 import torch
 
-from gramcoord.rank_worker.config import ModelConfig
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.models import (
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.models import (
     HFModel,
     ModelRequest,
     SyntheticModel,
     build_tiny_qwen2,
     make_model,
 )
+from gramcoord.rank_worker.config import ModelConfig
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 
 REFERENCE = '{"name": "Bob", "tags": ["a", "b"]}'

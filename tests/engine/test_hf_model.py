@@ -14,21 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from gramcoord.rank_worker.config import ModelConfig, TokenizerConfig
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.drafter import ReplayDrafter
-from gramcoord.rank_worker.engine.hf_checks import (
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.drafter import ReplayDrafter
+from gramcoord.engine.hf_checks import (
     chat_template,
     check_hf_model,
     device_problem,
     tokenizer_ids,
 )
-from gramcoord.rank_worker.engine.models import (
+from gramcoord.engine.models import (
     HFModel,
     ModelRequest,
     build_tiny_qwen2,
     make_model,
 )
+from gramcoord.rank_worker.config import ModelConfig, TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpForward

@@ -1,6 +1,6 @@
 """The last pipeline stage's step: logits, masks, sampling, acceptance.
 
-Every rank of the last stage runs ``LastStage.run`` on the step's
+Every rank of the last stage runs ``ModelRunner.run`` on the step's
 ``BatchFrame``:
 
 - the **leader** builds the bitmask rows on a thread while the logits are
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gramcoord.rank_worker.engine.acceptance import accepted_tokens, finish_reason
-from gramcoord.rank_worker.engine.frames import BatchFrame, StepResults, TokenResult
-from gramcoord.rank_worker.engine.models import LogitsSource, ModelRequest
-from gramcoord.rank_worker.engine.sampler import Sampler
-from gramcoord.rank_worker.engine.timings import Timings
-from gramcoord.rank_worker.engine.tp_check import TpCheck
+from gramcoord.engine.acceptance import accepted_tokens, finish_reason
+from gramcoord.engine.messages import BatchFrame, StepResults, TokenResult
+from gramcoord.engine.models import LogitsSource, ModelRequest
+from gramcoord.engine.sampler import Sampler
+from gramcoord.engine.timings import Timings
+from gramcoord.engine.tp_check import TpCheck
 from gramcoord.rank_worker.errors import GrammarError
 from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
 from gramcoord.rank_worker.session.session import MaskBatch, RankSession
@@ -53,7 +53,7 @@ class _View:
     drafter: object | None = None
 
 
-class LastStage:
+class ModelRunner:
     """One last-stage rank's part of each step; see the module docstring.
 
     Parameters
@@ -83,7 +83,7 @@ class LastStage:
         self.leader = session.is_leader
         if self.leader:
             self._stage = session.leader
-            self._masks = self.rows = session.masks
+            self._masks = self.rows = session.stage_masks
         else:
             self.rows = self._reader = session.reader
         self.model = model

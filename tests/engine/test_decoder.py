@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import xgrammar as xgr
 
-from gramcoord.rank_worker.engine.decoder import GreedyDecoder
-from gramcoord.rank_worker.engine.models import ModelRequest, SyntheticModel
+from gramcoord.engine.decoder import GreedyDecoder
+from gramcoord.engine.models import ModelRequest, SyntheticModel
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.masks.grammar_state import GrammarState

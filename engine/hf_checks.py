@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from gramcoord.engine.hf_model import transformers_module
 from gramcoord.rank_worker.config import ModelConfig, TokenizerConfig
-from gramcoord.rank_worker.engine.hf_model import transformers_module
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 

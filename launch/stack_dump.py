@@ -143,7 +143,7 @@ def waiting_in(text: str) -> str:
     file, line, func = frames[0]
     where = f"waiting in {func} ({_short(file)}:{line})"
     for f, n, fn in frames:
-        if any(m in f for m in _OURS) and "/launch/stacks.py" not in f:
+        if any(m in f for m in _OURS) and "/launch/stack_dump.py" not in f:
             if (f, n) != (file, line):
                 where += f" from {_short(f)}:{n} in {fn}"
             break

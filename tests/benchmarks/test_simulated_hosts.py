@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gramcoord.launch.hosts import NETNS_ETC, PREFIX, SimulatedHosts, available
+from gramcoord.benchmarks.simulated_hosts import NETNS_ETC, PREFIX, SimulatedHosts, available
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")

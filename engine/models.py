@@ -30,9 +30,9 @@ import msgspec
 import numpy as np
 import torch
 
+from gramcoord.engine.hf_checks import chat_template, tokenizer_ids
+from gramcoord.engine.hf_model import DTYPES, HFModel, build_tiny_qwen2
 from gramcoord.rank_worker.config import ModelConfig
-from gramcoord.rank_worker.engine.hf_checks import chat_template, tokenizer_ids
-from gramcoord.rank_worker.engine.hf_model import DTYPES, HFModel, build_tiny_qwen2
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 __all__ = [

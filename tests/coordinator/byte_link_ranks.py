@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 
+from gramcoord.coordinator.byte_link import ByteLink
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.links import ByteLink
 from gramcoord.coordinator.runtime import Runtime
 
 

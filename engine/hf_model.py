@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from gramcoord.rank_worker.engine.models import ModelRequest
+    from gramcoord.engine.models import ModelRequest
 
 # A prompt -> templated prompt function (``model.chat_template``).
 PromptTemplate = Callable[[Sequence[int]], Sequence[int]]

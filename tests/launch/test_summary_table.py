@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gramcoord.launch import report
+from gramcoord.launch import summary_table
 from gramcoord.launch.run import _own_disagreement
 from gramcoord.launch.summary import Determinism, Mismatch
 
@@ -23,7 +23,7 @@ from gramcoord.launch.summary import Determinism, Mismatch
     ],
 )
 def test_determinism_line_is_honest(det, start):
-    assert report.determinism_line(det).startswith(start)
+    assert summary_table.determinism_line(det).startswith(start)
 
 
 class _Summary:
@@ -34,11 +34,11 @@ class _Summary:
 
 
 def test_headline_includes_start_up(monkeypatch):
-    monkeypatch.setattr(report, "_command_started", None)
-    assert "3 requests in 1.2s on rank 0 (step loop 0.5s)" in report.headline(_Summary())
-    report.command_started()
-    monkeypatch.setattr(report, "_command_started", report._command_started - 7.0)
-    text = report.headline(_Summary())
+    monkeypatch.setattr(summary_table, "_command_started", None)
+    assert "3 requests in 1.2s on rank 0 (step loop 0.5s)" in summary_table.headline(_Summary())
+    summary_table.command_started()
+    monkeypatch.setattr(summary_table, "_command_started", summary_table._command_started - 7.0)
+    text = summary_table.headline(_Summary())
     assert "s wall, start-up included (rank 0 1.2s, step loop 0.5s)" in text
     assert float(text.split(" requests in ")[1].split("s wall")[0]) >= 7.0
 
