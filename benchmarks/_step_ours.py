@@ -137,7 +137,7 @@ def run_ours(
         if session.has("masks"):
             builder = make_builder(strategy, tokenizer.vocab_size, max_num_seqs)
             if builder is not None:
-                session.stage_masks.builder = builder
+                session.masks.builder = builder
         report = run_loop(
             session,
             [r.engine_request() for r in requests],

@@ -70,7 +70,7 @@ def _child(rank: int, world: int, mode: str, limit: int, max_tokens: int) -> dic
     )
     session = RankSession.attach(tok, config, force_sync=False)
     sched = session.leader if session.is_leader else session.follower
-    masks = session.stage_masks
+    masks = session.masks
     model, sampler = SyntheticModel(tok), Sampler(SamplingConfig())
     rows_ms: list[float] = []
     compile_ms = 0.0

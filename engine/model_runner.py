@@ -83,7 +83,7 @@ class ModelRunner:
         self.leader = session.is_leader
         if self.leader:
             self._stage = session.leader
-            self._masks = self.rows = session.stage_masks
+            self._masks = self.rows = session.masks
         else:
             self.rows = self._reader = session.reader
         self.model = model

@@ -138,7 +138,7 @@ class GrammarLogitsProcessor(transformers.LogitsProcessor):
             else:
                 rec = owner._records[rid]
                 rec.processor = self
-                if rec.outcome.status == "admitted" and session.stage_masks.is_running(rid):
+                if rec.outcome.status == "admitted" and session.masks.is_running(rid):
                     mode = _ACTIVE
                     rec.generated = True
                 else:
@@ -188,7 +188,7 @@ class GrammarLogitsProcessor(transformers.LogitsProcessor):
     def _mask(self, scores: torch.Tensor, active: list[int]) -> None:
         session, rows = self._session, self._rows
         ids = [rows[i].request_id for i in active]
-        batch = session.stage_masks.bitmask(ids)
+        batch = session.masks.bitmask(ids)
         for rid, err in batch.failures.items():
             # The row's bitmask allows everything; it is forced below.
             self._fail(rows[self.request_ids.index(rid)], err.code.name, err.message)
@@ -199,7 +199,7 @@ class GrammarLogitsProcessor(transformers.LogitsProcessor):
             row.request_id if i in masked else ("row", i) for i, row in enumerate(rows)
         ]
         target = scores if scores.device.type == "cpu" else scores.to("cpu", torch.float32)
-        session.stage_masks.apply(target, batch.rows, batch=keys, constrained=ids, num_drafts={})
+        session.masks.apply(target, batch.rows, batch=keys, constrained=ids, num_drafts={})
         if target is not scores:
             scores.copy_(target.to(scores.device, scores.dtype))
 
@@ -243,15 +243,15 @@ class GrammarLogitsProcessor(transformers.LogitsProcessor):
             return
         if not tokens:
             # Nothing was sampled since the last mask: the state is current.
-            session.stage_masks.advance(rid, [])
+            session.masks.advance(rid, [])
             return
         for token in tokens:
             if token in self._host_stops and token not in self._grammar_stops:
                 row.mode, rec.reason = _ENDED, "stop"
-                session.stage_masks.advance(rid, [])
+                session.masks.advance(rid, [])
                 return
             try:
-                terminated = session.stage_masks.advance(rid, [token])
+                terminated = session.masks.advance(rid, [token])
             except GrammarError as exc:
                 self._fail(row, exc.code.name, exc.message)
                 return

@@ -4,7 +4,7 @@ Two roles read the rows a last-stage leader published:
 
 - ``MaskReader`` (``session.reader``), a TP worker of our step loop:
   ``receive(step)``, ``apply``, ``commit``, ``release(step)``;
-- ``FollowerRows`` (``session.stage_masks`` of a ``read`` TP follower, one that
+- ``FollowerRows`` (``session.masks`` of a ``read`` TP follower, one that
   runs a scheduler of its own): the same calls as the leader's
   ``StageMasks`` (``bitmask(ids, step=n)``, ``apply``, ``advance``), the
   rows read instead of built.

@@ -1,6 +1,6 @@
 """The last stage's mask role: build rows, publish them, advance the grammars.
 
-The last pipeline stage's leader holds one ``StageMasks`` (``session.stage_masks``),
+The last pipeline stage's leader holds one ``StageMasks`` (``session.masks``),
 and so does a ``fill`` TP follower there. It keeps one ``GrammarState`` per
 running request (started when a ``step`` admits it, dropped when the
 request ends) and the set of requests masked but not yet advanced. Calls,

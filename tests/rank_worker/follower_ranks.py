@@ -46,7 +46,7 @@ def scheduler_body(rank: int, world: int, mode: str, max_tokens: int = 64) -> di
     session = RankSession.attach(tok, config, force_sync=False)
     # The same calls on both sides: the leader's roles, or the follower's.
     sched = session.leader if session.is_leader else session.follower
-    masks = session.stage_masks
+    masks = session.masks
     model, sampler = SyntheticModel(tok), Sampler(SamplingConfig())
     reqs = {rid: (spec, ref) for rid, spec, ref in requests()}
     log, outputs, mask_ms = [], {}, []

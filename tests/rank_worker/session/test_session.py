@@ -315,15 +315,15 @@ def _run_k0(session: RankSession, rid: str, tokens: list[int]) -> int:
     v = session.tokenizer.vocab_size
     steps = 0
     for pos, token in enumerate(tokens):
-        batch = session.stage_masks.bitmask([rid])
+        batch = session.masks.bitmask([rid])
         logits = torch.zeros(1, v)
-        step_digest, rows = session.stage_masks.apply(
+        step_digest, rows = session.masks.apply(
             logits, batch.rows, batch=[rid], constrained=[rid], num_drafts={rid: 0}
         )
         assert step_digest == combine(rows[rid]) and len(rows[rid]) == 1
         assert logits[0, token] == 0 and torch.isinf(logits[0]).any()
-        session.stage_masks.commit(rid, pos, rows[rid][:1])
-        terminated = session.stage_masks.advance(rid, [token])
+        session.masks.commit(rid, pos, rows[rid][:1])
+        terminated = session.masks.advance(rid, [token])
         assert terminated == (pos == len(tokens) - 1)
         steps += 1
     return steps
@@ -351,12 +351,12 @@ def _run_k3(session: RankSession, rid: str, tokens: list[int]) -> tuple[int, int
         else:
             drafts = [*right[:2], space]
         if steps % 2:
-            drafts = session.stage_masks.validate_drafts(rid, drafts)
-        batch = session.stage_masks.bitmask([rid], [drafts])
+            drafts = session.masks.validate_drafts(rid, drafts)
+        batch = session.masks.bitmask([rid], [drafts])
         n = 1 + len(drafts)
         assert batch.num_drafts == (len(drafts),)
         logits = torch.zeros(n, v)
-        step_digest, rows = session.stage_masks.apply(
+        step_digest, rows = session.masks.apply(
             logits, batch.rows, batch=[rid], constrained=[rid], num_drafts={rid: len(drafts)}
         )
         assert len(rows[rid]) == n and step_digest == combine(rows[rid])
@@ -366,8 +366,8 @@ def _run_k3(session: RankSession, rid: str, tokens: list[int]) -> tuple[int, int
         for i in range(len(acc)):
             assert logits[i, acc[i]] == 0  # the row that picked it allowed it
         partial += len(acc) < n
-        session.stage_masks.commit(rid, pos, rows[rid][: len(acc)])
-        terminated = session.stage_masks.advance(rid, acc)
+        session.masks.commit(rid, pos, rows[rid][: len(acc)])
+        terminated = session.masks.advance(rid, acc)
         pos += len(acc)
         steps += 1
     assert pos == len(tokens)
@@ -565,10 +565,10 @@ def test_bitmask_copy_outlives_the_next_build(tiny_tokenizer):
     try:
         session.leader.submit("a", {"regex": "ab"})
         session.leader.step(0)
-        kept = session.stage_masks.bitmask(["a"], copy=True)
+        kept = session.masks.bitmask(["a"], copy=True)
         first = kept.rows.copy()
-        session.stage_masks.advance("a", [ord("a")])
-        session.stage_masks.bitmask(["a"])  # overwrites the builder's buffer
+        session.masks.advance("a", [ord("a")])
+        session.masks.bitmask(["a"])  # overwrites the builder's buffer
         assert (kept.rows == first).all()
     finally:
         session.close()
@@ -594,7 +594,7 @@ def test_host_vocabulary_from_tokenizer_info(tiny_tokenizer):
         assert session.leader.submit("a", {"regex": "[a-z]+"}).status == "pending"
         while not session.leader.step(0).admitted:
             pass
-        rows = session.stage_masks.bitmask(["a"]).rows
+        rows = session.masks.bitmask(["a"]).rows
         assert rows.shape == (1, (288 + 31) // 32)
     finally:
         session.close()
