@@ -156,20 +156,23 @@ def records_table(records: list[BenchRecord]) -> str:
         if r.error is not None:
             cells = [r.bench, "-", "-", "-", "-", "-", "-", "**ERROR**", r.error]
         else:
-            met = "-" if r.met is None else ("yes" if r.met else "**NO**")
-            cells = [
-                r.bench,
-                r.name,
-                r.baseline,
-                _ms(r.median_ms),
-                _ms(r.baseline_median_ms),
-                f"{r.ratio:.2f}x",
-                target_text(r),
-                met,
-                r.note,
-            ]
+            cells = [r.bench, r.name, *_figures(r, "**NO**")]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def _figures(r: BenchRecord, missed: str) -> list[str]:
+    """A record's cells from its baseline on: times, ratio, target, met, note."""
+    met = "-" if r.met is None else ("yes" if r.met else missed)
+    return [
+        r.baseline,
+        _ms(r.median_ms),
+        _ms(r.baseline_median_ms),
+        f"{r.ratio:.2f}x",
+        target_text(r),
+        met,
+        r.note,
+    ]
 
 
 def target_counts(records: list[BenchRecord]) -> tuple[int, int, int]:
@@ -207,19 +210,7 @@ def console_table(records: list[BenchRecord], width: int) -> str:
         if r.error is not None:
             rows.append((f"{r.bench}: ERROR", "-", "-", "-", "-", "-", "NO", r.error))
             continue
-        met = "-" if r.met is None else ("yes" if r.met else "NO")
-        rows.append(
-            (
-                f"{r.bench}: {r.name}",
-                r.baseline,
-                _ms(r.median_ms),
-                _ms(r.baseline_median_ms),
-                f"{r.ratio:.2f}x",
-                target_text(r),
-                met,
-                r.note,
-            )
-        )
+        rows.append((f"{r.bench}: {r.name}", *_figures(r, "NO")))
     cells = [[shorten(c, _NAME_W) for c in row[:2]] + list(row[2:7]) for row in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *cells)]
     used = sum(widths) + 2 * len(widths)

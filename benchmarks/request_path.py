@@ -38,6 +38,7 @@ from typing import Any
 
 from gramcoord.benchmarks._contract import BenchRecord
 
+FOLDERS = ("coordinator", "rank_worker", "sync", "engine", "launch", "integrations", "benchmarks")
 # Targets (files on one request's path).
 TARGETS = {"ours": 25, "vllm": 8, "sglang": 8}
 _SCHEMA = {
@@ -52,20 +53,13 @@ def _roots() -> dict[str, str]:
     import importlib
 
     out = {}
-    for name in ("coordinator", "rank_worker", "sync", "launch", "integrations", "benchmarks"):
+    for name in FOLDERS:
         try:
             mod = importlib.import_module(f"gramcoord.{name}")
         except ImportError:
             continue
         for path in getattr(mod, "__path__", ()):
             out[name] = str(Path(path).resolve())
-    for extra in ("engine",):
-        try:
-            mod = importlib.import_module(f"gramcoord.{extra}")
-        except ImportError:
-            continue
-        for path in getattr(mod, "__path__", ()):
-            out[extra] = str(Path(path).resolve())
     return out
 
 
@@ -193,11 +187,36 @@ def _vllm(tracer: Tracer) -> None:
 
 
 def _sglang(tracer: Tracer) -> None:
-    # SGLang's own batch and manager code over our backend, as the SGLang
-    # tests drive it (tests/integrations/sglang/host.py).
-    from tests.integrations.sglang.host import one_request_roundtrip  # type: ignore
+    # The calls SGLang's GrammarManager and batch code make on a backend:
+    # the lookup, done() polls, result() (the agreement), a mask, tokens.
+    import json
+    import time
 
-    one_request_roundtrip(lambda on: setattr(tracer, "on", on))
+    from gramcoord.integrations.hf.tokenizer import qwen25_hf_tokenizer
+    from gramcoord.integrations.sglang.backend import GramcoordBackend
+
+    vocab = 151_936
+    tokenizer = qwen25_hf_tokenizer()
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    backend = GramcoordBackend(tokenizer, vocab, [151645, 151643])
+
+    def one(i: int) -> None:
+        key = ("json", json.dumps(dict(_SCHEMA, title=f"r{i}")))
+        value, _ = backend.get_cached_or_future_value(key, False)
+        while not value.done():
+            time.sleep(0.005)
+        grammar = value.result()
+        mask = grammar.allocate_vocab_mask(vocab, 1, "cpu")
+        grammar.fill_vocab_mask(mask, 0)
+        grammar.accept_token(brace)
+
+    try:
+        one(0)
+        tracer.on = True
+        one(1)
+        tracer.on = False
+    finally:
+        backend.close()
 
 
 HOSTS: dict[str, Callable[[Tracer], None]] = {"ours": _ours, "vllm": _vllm, "sglang": _sglang}

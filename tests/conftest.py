@@ -6,9 +6,11 @@ import json
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import xgrammar as xgr
 
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import TokenizerConfig
@@ -83,3 +85,63 @@ def run_id() -> str:
     for kind, name in leaked:
         remove(kind, name)
     assert not leaked, f"transport leaked {leaked}"
+
+
+# Dev schemas used by the property tests: small, fast to compile, with a
+# valid instance xgrammar accepts as ``json.dumps`` text.
+_POOL_SIZE = 24
+_MAX_SCHEMA_BYTES = 1500
+_MAX_LABEL_COMPILE_MS = 15.0
+
+
+@pytest.fixture(scope="session")
+def compile_json() -> Callable[..., xgr.CompiledGrammar]:
+    """``compile_json(tokenizer, schema, any_whitespace=True)``, cached."""
+    compilers: dict[int, xgr.GrammarCompiler] = {}
+    cache: dict[tuple, xgr.CompiledGrammar] = {}
+
+    def compile_(tokenizer: Tokenizer, schema, *, any_whitespace: bool = True):
+        key = (id(tokenizer), json.dumps(schema, sort_keys=True), any_whitespace)
+        if key not in cache:
+            if id(tokenizer) not in compilers:
+                compilers[id(tokenizer)] = xgr.GrammarCompiler(tokenizer.info, max_threads=1)
+            cache[key] = compilers[id(tokenizer)].compile_json_schema(
+                schema, any_whitespace=any_whitespace
+            )
+        return cache[key]
+
+    return compile_
+
+
+def instance_text(data, any_whitespace: bool) -> str:
+    # xgrammar's separators: compact with any_whitespace, ", " / ": " without.
+    return json.dumps(data) if not any_whitespace else json.dumps(data, separators=(",", ":"))
+
+
+@pytest.fixture(scope="session")
+def dev_pool(dev_schemas, qwen_tokenizer, compile_json) -> dict[bool, list[tuple]]:
+    """any_whitespace -> [(schema id, compiled grammar, instance text)]."""
+    candidates = [
+        rec
+        for rec in dev_schemas
+        if rec["label"].get("status") == "ok"
+        and rec["label"].get("compile_ms", 1e9) <= _MAX_LABEL_COMPILE_MS
+        and rec["size_bytes"] <= _MAX_SCHEMA_BYTES
+        and any(inst["valid"] for inst in rec["instances"])
+    ]
+    pool: dict[bool, list[tuple]] = {True: [], False: []}
+    for any_ws in (True, False):
+        for rec in candidates:
+            if len(pool[any_ws]) >= _POOL_SIZE:
+                break
+            data = next(inst["data"] for inst in rec["instances"] if inst["valid"])
+            text = instance_text(data, any_ws)
+            try:
+                compiled = compile_json(qwen_tokenizer, rec["schema"], any_whitespace=any_ws)
+            except Exception:
+                continue
+            matcher = xgr.GrammarMatcher(compiled)
+            if matcher.accept_string(text) and matcher.is_completed():
+                pool[any_ws].append((rec["id"], compiled, text))
+    assert len(pool[True]) >= 10 and len(pool[False]) >= 10, "too few usable dev schemas"
+    return pool

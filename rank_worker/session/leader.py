@@ -40,7 +40,7 @@ from gramcoord.coordinator.status import PoisonRecord
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.manager import GrammarManager, Lookup
 from gramcoord.rank_worker.grammars.outcome import Outcome
-from gramcoord.rank_worker.session.followers import NoteSender
+from gramcoord.rank_worker.session.followers import NoteSender, stage_wait_s
 from gramcoord.rank_worker.session.types import StepOutcome
 
 logger = logging.getLogger(__name__)
@@ -50,29 +50,14 @@ logger = logging.getLogger(__name__)
 Admitted = Callable[[list[Outcome]], None]
 Ended = Callable[[str], None]
 
-# The follower wait is capped at this share of the step timeout (see
-# ``stage_wait_s``).
-STAGE_WAIT_SHARE = 0.5
-
-
-def stage_wait_s(compile_timeout_s: float, step_timeout_s: float) -> float:
-    """How long a rank that follows a decision waits for its own compiles, per step.
-
-    A later pipeline stage and a ``fill`` TP follower both wait up to the
-    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout. A
-    gloo send completes only once its receiver has posted the receive, so a
-    follower that waits holds the decider back by as long: the decider must
-    never take a waiting follower for a lost one.
-    """
-    return min(compile_timeout_s, step_timeout_s * STAGE_WAIT_SHARE)
-
 
 class StageLeader:
-    """One stage leader: ``submit``, ``step``, ``finish``, ``abort``.
+    """One rank's per-rank API: ``submit``, ``step``, ``compiled``, ``release``, ``close``.
 
-    Build with :meth:`build`. The calls happen in the same order on every
-    leader of a chain (and of a replicated group); none raises for bad
-    input, only for infrastructure failures.
+    Build with :meth:`build` (gramcoord's layouts) or :meth:`for_host` (a host
+    engine's group). The calls happen in the same order on every leader of
+    a chain (and of a replicated group); none raises for bad input, only
+    for infrastructure failures.
     """
 
     def __init__(
@@ -119,16 +104,7 @@ class StageLeader:
             compile_mode=grammar.compile_mode,
         )
         if not coordinator.decider:
-            wait = stage_wait_s(grammar.compile_timeout_s, distributed.step_timeout_s)
-            if wait < grammar.compile_timeout_s:
-                logger.warning(
-                    "[rank %d] this stage waits at most %.1fs for compiles (half the step "
-                    "timeout), not compile_timeout_s=%.1fs",
-                    comm.rank,
-                    wait,
-                    grammar.compile_timeout_s,
-                )
-            manager.follow(wait)
+            manager.follow(stage_wait_s(grammar, distributed, rank=comm.rank))
         return cls(manager, coordinator, rank=comm.rank, comm=comm, **roles)
 
     @classmethod

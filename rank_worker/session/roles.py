@@ -37,8 +37,13 @@ from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder
 from gramcoord.rank_worker.masks.gate import Gate
 from gramcoord.rank_worker.masks.jump_forward import JumpForward
 from gramcoord.rank_worker.session.applier import MaskApplier
-from gramcoord.rank_worker.session.followers import FollowerBook, NoteSender, TpFollower
-from gramcoord.rank_worker.session.leader import StageLeader, stage_wait_s
+from gramcoord.rank_worker.session.followers import (
+    FollowerBook,
+    NoteSender,
+    TpFollower,
+    stage_wait_s,
+)
+from gramcoord.rank_worker.session.leader import StageLeader
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
 from gramcoord.rank_worker.session.stage_masks import StageMasks
 from gramcoord.rank_worker.session.types import SessionConfig, SessionStats
@@ -176,10 +181,7 @@ def build_roles(
     elif is_follower:
         book = FollowerBook() if followers == "read" else None
         if roles.manager is not None:
-            grammar = config.grammar
-            roles.manager.follow(
-                stage_wait_s(grammar.compile_timeout_s, config.distributed.step_timeout_s)
-            )
+            roles.manager.follow(stage_wait_s(config.grammar, config.distributed, rank=rank))
         roles.follower = TpFollower(
             link, group[0], rank=rank, book=book, manager=roles.manager, **hooks
         )

@@ -147,6 +147,7 @@ def test_shipped_configs_name_their_launcher():
 # Installed subpackage of `gramcoord` -> the folder it is built from.
 _PACKAGES = {
     "coordinator": "coordinator",
+    "engine": "engine",
     "rank_worker": "rank_worker",
     "sync": "sync",
     "launch": "launch",
