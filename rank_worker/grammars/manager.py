@@ -52,8 +52,7 @@ from gramcoord.rank_worker.grammars.outcome import (
     refuse_id,
     refuse_seq,
 )
-from gramcoord.rank_worker.grammars.shortest import ShortestBound
-from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
+from gramcoord.rank_worker.grammars.spec import GrammarSpec, TokenBudget, admit
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -138,9 +137,6 @@ class GrammarManager:
         # judged against it, never against this rank's own clock.
         self.agreed_ms = 0
         self.stats = ManagerStats()
-        # The unreachable-end bound, made at the first request with a budget
-        # (hosts that pass only a vocabulary's name never ask for it).
-        self._shortest: ShortestBound | None = None
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
 
@@ -183,8 +179,12 @@ class GrammarManager:
         refused = refuse_id(request_id, seq, live=self._seq_of)
         if refused is not None:
             return refused
+        # Hosts that pass only a vocabulary's name never give a budget.
+        budget = (
+            None if max_tokens is None else TokenBudget(max_tokens, self.tokenizer.max_token_bytes)
+        )
         try:
-            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
+            gspec, why = admit(spec, self.config, vocab=self.tokenizer.name, budget=budget)
         except SpecError as exc:
             self.stats.invalid_spec += 1
             return Outcome(
@@ -195,11 +195,6 @@ class GrammarManager:
                 message=exc.message,
             )
         entry = _Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
-        why = None
-        if max_tokens is not None:
-            if self._shortest is None:
-                self._shortest = ShortestBound(self.tokenizer.max_token_bytes)
-            why = self._shortest.refusal(gspec, max_tokens)
         if why is not None:
             code = ErrorCode.grammar_unreachable_end.name
             return self._outcome(entry, "failed", code=code, message=why)
