@@ -12,13 +12,18 @@ rewrites the object in place into what xgrammar enforces exactly.
   ``uniqueItems``, ``contains``, ``allOf`` with two or more branches,
   length bounds next to ``pattern``/``format``, any ``format`` outside
   ``SUPPORTED_FORMATS``, the calendar of ``date`` / ``date-time``,
-  ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``not`` and
-  ``if``/``then``/``else``. These are reported; the session then refuses
-  the schema or checks the finished output (``grammar.reject_ignored_features``).
+  ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``not``,
+  ``if``/``then``/``else``, ``$dynamicRef``, ``unevaluatedProperties: false``
+  without ``strict_mode``, and every constraint beside the keyword xgrammar
+  builds a node from (``$ref``, else ``const``/``enum``, else the first of
+  ``anyOf``/``oneOf``/``allOf``). These are reported; the session then
+  refuses the schema or checks the finished output
+  (``grammar.reject_ignored_features``). The audit of every draft 2020-12
+  keyword in every placement is tests/rank_worker/grammars/test_keyword_audit.py.
 - **Rewrites.** A count keyword written as an integral float
   (``minLength: 2.0``) is written as the integer: xgrammar refuses the float
   but enforces the same bound as an integer. ``enum`` / ``const`` values are
-  filtered by the value keywords beside them (``_rewrite_enum``).
+  filtered by the constraints beside them (``_rewrite_enum``).
 - **Type names.** A ``type`` that names no JSON Schema type (``"objekt"``)
   is reported, so it fails with a clear message before xgrammar's own.
 - **References.** A ``$ref`` that is not a local JSON pointer is compiled by
@@ -35,7 +40,7 @@ from typing import Any
 
 import jsonschema
 
-from gramcoord.rank_worker.grammars.schema_tree import MISSING
+from gramcoord.rank_worker.grammars.schema_tree import MISSING, SchemaTree
 from gramcoord.rank_worker.grammars.schema_values import is_num
 
 # Formats xgrammar 0.2.9 enforces (each rejects "% %" where a plain string
@@ -89,9 +94,61 @@ VALUE_KEYWORDS = {
     "object": ("patternProperties", "minProperties", "maxProperties", "propertyNames"),
     "array": ("minItems", "maxItems"),
 }
-_INFERS = {"object": ("properties", "additionalProperties"), "array": ("items", "prefixItems")}
-_SHAPE_KEYWORDS = ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")
+_INFERS = {
+    "object": ("properties", "additionalProperties", "unevaluatedProperties"),
+    "array": ("items", "prefixItems", "unevaluatedItems"),
+}
 _SIBLINGS = frozenset({"type", *(k for keys in VALUE_KEYWORDS.values() for k in keys)})
+# The keywords xgrammar builds a node from, in the order it looks for them;
+# every other constraint beside the one it finds is dropped.
+_WINNERS = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+# Keywords that constrain an instance: draft 2020-12's applicator and
+# validation vocabularies, ``format`` (enforced here) and the older
+# ``dependencies``. Annotations (title, default, examples, ``content*``,
+# ``$comment``, ...) and containers (``$defs``) constrain nothing.
+CONSTRAINTS = frozenset(
+    {
+        *_SIBLINGS,
+        *_WINNERS,
+        "$dynamicRef",
+        "additionalProperties",
+        "contains",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "else",
+        "if",
+        "items",
+        "maxContains",
+        "minContains",
+        "not",
+        "prefixItems",
+        "properties",
+        "required",
+        "then",
+        "uniqueItems",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    }
+)
+# Reported wherever they appear, by a finding of their own (``required`` by
+# the walk's own check).
+_REPORTED_ANYWHERE = frozenset(
+    {
+        "$dynamicRef",
+        "contains",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "else",
+        "if",
+        "maxContains",
+        "minContains",
+        "not",
+        "required",
+        "then",
+    }
+)
 
 # The values ``type`` may name (JSON Schema's instance types).
 JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
@@ -117,9 +174,13 @@ class SchemaFindings:
 
 
 def lint_node(
-    node: dict, path: str, rank: int, refs: dict[str, Any], found: SchemaFindings
+    node: dict, path: str, rank: int, tree: SchemaTree, found: SchemaFindings, *, strict_mode: bool
 ) -> None:
-    """Lint one schema object as written, then rewrite it in place into what xgrammar enforces."""
+    """Lint one schema object as written, then rewrite it in place into what xgrammar enforces.
+
+    ``tree`` resolves its ``$ref`` and says whether it describes a key
+    (``propertyNames``); ``strict_mode`` is the request's.
+    """
 
     def ignored(msg: str) -> None:
         found.ignored.append((rank, path, msg))
@@ -145,7 +206,7 @@ def lint_node(
     all_of = node.get("allOf")
     if isinstance(all_of, list) and len(all_of) >= 2:
         ignored(f"allOf with {len(all_of)} branches is not enforced")
-    for msg in _untyped(node):
+    for msg in _dropped(node, tree):
         ignored(msg)
     for key in _UNENFORCED_KEYWORDS:
         if key in node:
@@ -158,19 +219,28 @@ def lint_node(
     elif isinstance(fmt, str) and fmt in _CALENDAR_FORMATS:
         ignored(f"format {fmt!r} accepts impossible dates (2022-02-30)")
     has_len = "minLength" in node or "maxLength" in node
-    if has_len and ("pattern" in node or isinstance(fmt, str)):
+    # An unknown format is ignored and the bounds kept; a known one wins.
+    if has_len and ("pattern" in node or (isinstance(fmt, str) and fmt in SUPPORTED_FORMATS)):
         ignored("minLength/maxLength next to pattern/format is ignored")
+    if (
+        node.get("unevaluatedProperties") is False
+        and not strict_mode
+        and "additionalProperties" not in node
+        and not any(k in node for k in _WINNERS)  # else reported as dropped beside it
+        and _may_be("object", node)
+    ):
+        # Other keys are allowed, of any value, as without the keyword.
+        ignored("unevaluatedProperties: false is not enforced without strict_mode")
     ref = node.get("$ref")
     if isinstance(ref, str):
         if ref == "#" or ref.startswith("#/"):
-            if refs.get(ref, MISSING) is MISSING:
+            if tree.refs.get(ref, MISSING) is MISSING:
                 found.broken_refs.append((rank, path, ref))
         else:
             found.remote_refs.append((rank, path, ref))
-    if isinstance(node.get("$dynamicRef"), str):
-        found.remote_refs.append((rank, path, node["$dynamicRef"]))
-    why = _rewrite_enum(node)
-    if why:
+    if "$dynamicRef" in node:
+        ignored("$dynamicRef is not enforced")
+    for why in _rewrite_enum(node):
         ignored(why)
     for key in _COUNT_KEYWORDS:
         value = node.get(key)
@@ -178,57 +248,103 @@ def lint_node(
             node[key] = int(value)  # the same constraint, written as xgrammar takes it
 
 
-def _untyped(node: dict) -> list[str]:
-    """Value keywords xgrammar drops: on an untyped node, or beside a shape keyword."""
-    if "type" in node and not any(k in node for k in ("$ref", "anyOf", "oneOf", "allOf")):
-        return []
-    shape = next((k for k in _SHAPE_KEYWORDS if k in node), None)
-    if shape in ("enum", "const") and "type" not in node:
+def _dropped(node: dict, tree: SchemaTree) -> list[str]:
+    """Constraints xgrammar drops: beside the keyword it builds the node from, or value
+    keywords on a node without type (unless the type is inferred, or it describes a key)."""
+    winner = next((k for k in _WINNERS if k in node), None)
+    if winner in ("const", "enum"):
         return []  # the values are the constraint; _rewrite_enum keeps those that satisfy the rest
+    if winner is not None:
+        return [
+            f"{key} beside {winner} is not enforced"
+            for key in node
+            if key in CONSTRAINTS
+            and key != winner
+            and key not in _REPORTED_ANYWHERE
+            and not (key == "uniqueItems" and node[key] is not True)
+            and not (key == "allOf" and isinstance(node[key], list) and len(node[key]) >= 2)
+            and not (key == "type" and _type_implied(node, winner, tree.refs))
+        ]
+    if "type" in node or id(node) in tree.key_schemas:
+        return []  # keywords of another type than the node's (a key's: string) constrain nothing
     found = []
     for kind, keys in VALUE_KEYWORDS.items():
-        if shape is None and any(k in node for k in _INFERS.get(kind, ())):
+        if any(k in node for k in _INFERS.get(kind, ())):
             continue  # the type is inferred and its keywords enforced
-        for key in keys:
-            if key in node:
-                where = f"beside {shape}" if shape else "on a node without type"
-                found.append(f"{key} {where} is not enforced")
+        found.extend(f"{key} on a node without type is not enforced" for key in keys if key in node)
     return found
 
 
-def _rewrite_enum(node: dict) -> str | None:
-    """Keep only the ``enum`` / ``const`` values that satisfy the keywords beside them.
+def _type_names(value: Any) -> set[str] | None:
+    names = value if isinstance(value, list) else [value]
+    if not names or not all(isinstance(n, str) for n in names):
+        return None
+    return {"number" if n == "integer" else n for n in names} | set(names)
+
+
+def _type_implied(node: dict, winner: str, refs: dict[str, Any]) -> bool:
+    """Whether every branch xgrammar builds ``node`` from has a type within ``node``'s own."""
+    outer = _type_names(node["type"])
+    ref = node["$ref"] if winner == "$ref" else None
+    arms = [refs.get(ref, MISSING) if isinstance(ref, str) else MISSING] if ref else node[winner]
+    if outer is None or not isinstance(arms, list) or not arms:
+        return False
+    for arm in arms:
+        inner = _type_names(arm.get("type")) if isinstance(arm, dict) and "type" in arm else None
+        if (
+            inner is None
+            or not {n for n in inner if n != "number" or "integer" not in inner} <= outer
+        ):
+            return False
+    return True
+
+
+def _may_be(kind: str, node: dict) -> bool:
+    names = _type_names(node.get("type", kind))
+    return names is None or kind in names
+
+
+def _rewrite_enum(node: dict) -> list[str]:
+    """Keep only the ``enum`` / ``const`` values that satisfy the constraints beside them.
 
     xgrammar emits exactly the listed values and ignores ``type``,
-    ``minLength`` and the other value keywords beside them; JSON Schema
-    requires both. Filtering the values with those keywords (``jsonschema``,
-    formats checked) gives a schema xgrammar enforces exactly. Returns the
-    finding when no value satisfies them.
+    ``minLength``, ``properties`` and every other constraint beside them;
+    JSON Schema requires both. Filtering the values with those constraints
+    (``jsonschema``, formats checked) gives a schema xgrammar enforces
+    exactly. Returns findings when no value satisfies them, or when
+    ``jsonschema`` cannot check the constraints beyond type and value
+    keywords (a ``$ref`` to the rest of the document, say).
     """
-    values = node.get("enum") if isinstance(node.get("enum"), list) else None
-    if values is None and "const" not in node:
-        return None
-    siblings = {k: node[k] for k in node if k in _SIBLINGS}
+    # xgrammar emits the const when there is one (an enum beside it is a
+    # constraint on it), else the enum values.
+    values = None if "const" in node or not isinstance(node.get("enum"), list) else node["enum"]
+    if "$ref" in node or (values is None and "const" not in node):
+        return []
+    winner = "enum" if values is not None else "const"
+    siblings = {k: node[k] for k in node if k in CONSTRAINTS and k != winner}
     if not siblings:
-        return None
+        return []
+    what = "const" if values is None else "enum values"
+    local = {k: node[k] for k in ("$defs", "definitions") if k in node}
     try:
         cls = jsonschema.validators.validator_for({})
-        check = cls(siblings, format_checker=cls.FORMAT_CHECKER)
+        check = cls({**local, **siblings}, format_checker=cls.FORMAT_CHECKER)
         if values is None:
             keep = [node["const"]] if check.is_valid(node["const"]) else []
         else:
             keep = [v for v in values if check.is_valid(v)]
     except (jsonschema.SchemaError, TypeError, ValueError, RecursionError):
-        return None  # keywords jsonschema cannot use: xgrammar's own verdict stands
+        return []  # keywords jsonschema cannot use: xgrammar's own verdict stands
+    except Exception:  # an unresolvable $ref inside, among others
+        return [f"{k} beside {what} is not enforced" for k in siblings if k not in _SIBLINGS]
     if not keep:
         # Nothing here can match, yet the schema may still be satisfiable
         # (an optional property): xgrammar's grammar stays, and the end
         # check catches an output that uses the node.
-        what = "const" if values is None else "enum values"
-        return f"{sorted(siblings)} beside {what} is not enforced"
+        return [f"{sorted(siblings)} beside {what} is not enforced"]
     if values is not None and len(keep) < len(values):
         node["enum"] = keep
-    return None
+    return []
 
 
 # xgrammar 0.2.9 enforces an integer multipleOf only up to this value, and

@@ -64,6 +64,9 @@ class SchemaTree:
         # Every local ``$ref`` of a schema object -> its target (``MISSING``
         # when it names nothing); remote refs are not here.
         self.refs: dict[str, Any] = {}
+        # ids of the schema objects that are a ``propertyNames`` value: they
+        # describe a key, a string whether or not they say so.
+        self.key_schemas: set[int] = set()
         self.max_depth = 0
         # The longest list anywhere (enum, required, data).
         self.max_values = 0
@@ -78,12 +81,13 @@ def canonical_tree(schema: Any, *, max_depth: int, sort: bool = True) -> SchemaT
     """
     out: list[Any] = [None]
     tree = SchemaTree(None)
-    # (value, is a schema position, depth, path, setter, parent's children list)
-    stack: list[tuple[Any, bool, int, str, Callable[[Any], None], list | None]] = [
-        (schema, True, 1, "$", lambda v: out.__setitem__(0, v), None)
+    # (value, is a schema position, depth, path, setter, parent's children
+    # list, the keyword it is the value of)
+    stack: list[tuple[Any, bool, int, str, Callable[[Any], None], list | None, str | None]] = [
+        (schema, True, 1, "$", lambda v: out.__setitem__(0, v), None, None)
     ]
     while stack:
-        value, is_schema, depth, path, put, siblings = stack.pop()
+        value, is_schema, depth, path, put, siblings, keyword = stack.pop()
         tree.max_depth = max(tree.max_depth, depth if isinstance(value, dict | list) else 0)
         if depth > max_depth:
             put(value)
@@ -102,6 +106,8 @@ def canonical_tree(schema: Any, *, max_depth: int, sort: bool = True) -> SchemaT
             siblings.append((new, path))
         tree.rank[id(new)] = len(tree.rank)
         tree.path[id(new)] = path
+        if keyword == "propertyNames":
+            tree.key_schemas.add(id(new))
         mine: list[tuple[Any, str]] = []
         tree.children[id(new)] = mine
         for key in ("enum", "required"):
@@ -132,21 +138,22 @@ def _push_children(
         sub: dict[str, Any] = dict.fromkeys(child)
         new[key] = sub
         for name, s in child.items():
-            stack.append((s, True, depth + 2, f"{cpath}.{name}", _setter(sub, name), mine))
+            stack.append((s, True, depth + 2, f"{cpath}.{name}", _setter(sub, name), mine, None))
     elif key in _LIST and isinstance(child, list):
         items: list[Any] = [None] * len(child)
         new[key] = items
         for i, s in enumerate(child):
-            stack.append((s, True, depth + 2, f"{cpath}[{i}]", _setter(items, i), mine))
+            stack.append((s, True, depth + 2, f"{cpath}[{i}]", _setter(items, i), mine, None))
     elif key in _ONE and isinstance(child, dict):
-        stack.append((child, True, depth + 1, cpath, _setter(new, key), mine))
+        stack.append((child, True, depth + 1, cpath, _setter(new, key), mine, key))
     elif key == "dependencies" and isinstance(child, dict):
         sub = dict.fromkeys(child)
         new[key] = sub
         for name, s in child.items():
-            stack.append((s, isinstance(s, dict), depth + 2, cpath, _setter(sub, name), mine))
+            is_schema = isinstance(s, dict)
+            stack.append((s, is_schema, depth + 2, cpath, _setter(sub, name), mine, None))
     else:
-        stack.append((child, False, depth + 1, cpath, _setter(new, key), None))
+        stack.append((child, False, depth + 1, cpath, _setter(new, key), None, None))
 
 
 def _setter(container: Any, key: Any) -> Callable[[Any], None]:

@@ -65,7 +65,8 @@ def walk(tree: SchemaTree, *, strict_mode: bool, lint: bool = True) -> SchemaFin
             met.add(id(node))
             kids = tree.children.get(id(node))
             if lint and kids is not None:
-                lint_node(node, tree.path[id(node)], tree.rank[id(node)], tree.refs, found)
+                path_, rank = tree.path[id(node)], tree.rank[id(node)]
+                lint_node(node, path_, rank, tree, found, strict_mode=strict_mode)
                 stack.extend((kid, p, _UNPARSED, False) for kid, p in reversed(kids))
         if forced is _UNPARSED or (id(node), forced, gen) in reached:
             continue
