@@ -46,6 +46,9 @@ class ErrorCode(IntEnum):
     output_schema_mismatch = 50
     # The grammar's shortest sentence needs more tokens than max_tokens.
     grammar_unreachable_end = 51
+    # A finished output of a json / json_object request is not JSON
+    # (json.loads refuses it; grammars.end_check).
+    output_not_json = 52
 
     @classmethod
     def name_of(cls, value: int) -> str:
