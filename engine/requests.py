@@ -46,6 +46,9 @@ class OutputRecord(msgspec.Struct, kw_only=True):
     # The end check of a grammar that does not enforce all of its schema
     # (grammars.end_check): "passed" or "failed"; None when none ran.
     end_check: Literal["passed", "failed"] | None = None
+    # The finished output of a json / json_object request parsed as JSON
+    # (grammars.end_check.json_check): "passed" or "failed"; None when none ran.
+    json_check: Literal["passed", "failed"] | None = None
     # Model forward steps this request took, and steps jump-forward saved.
     model_steps: int = 0
     jump_forward_tokens: int = 0

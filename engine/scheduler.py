@@ -37,7 +37,13 @@ from gramcoord.engine.requests import (
     OutputRecord,
     failed_record,
 )
-from gramcoord.rank_worker.grammars.end_check import MISMATCH, end_check
+from gramcoord.rank_worker.grammars.end_check import (
+    MISMATCH,
+    NOT_JSON,
+    end_check,
+    json_check,
+    wants_json,
+)
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
@@ -244,16 +250,13 @@ class Scheduler:
         stops = set(self.tokenizer.stop_ids)
         text = self.tokenizer.decode([t for t in r.out if t not in stops])
         error = ErrorInfo(res.error_code, res.error_message) if res.error_code else None
-        if (
-            error is None
-            and o is not None
-            and o.end_check is not None
-            and res.finish_reason
-            in (
-                "grammar_end",
-                "stop",
-            )
-        ):
+        finished = error is None and o is not None and res.finish_reason in ("grammar_end", "stop")
+        if finished and wants_json(r.request.spec):
+            why = json_check(text)
+            facts["json_check"] = "passed" if why is None else "failed"
+            if why is not None:  # never "ok": a grammar let through what is not JSON
+                error = ErrorInfo(NOT_JSON, why)
+        if error is None and finished and o.end_check is not None:
             why = end_check(o.end_check, text)
             facts["end_check"] = "passed" if why is None else "failed"
             if why is not None:  # never "ok": the grammar let it through, the schema does not

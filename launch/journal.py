@@ -323,7 +323,7 @@ class RankJournal:
         )
 
     def output(self, record: OutputRecord) -> None:
-        """A request finished on this origin: its line, now."""
+        """A request finished on this scheduler rank: its line, now."""
         if self._out is not None:
             fp = self._fps.get(record.id, "")
             self._out.append(_encoder.encode(OutputLine(fp, record)))

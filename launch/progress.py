@@ -2,7 +2,7 @@
 
 The channel is a private directory the launcher process makes
 (``tempfile.mkdtemp``: no fixed name, no port) and passes to every rank in
-``RankJob.progress_dir``. Each origin rank (the stage-0 leader of a DP
+``RankJob.progress_dir``. Each scheduler rank (the stage-0 leader of a DP
 replica: the ranks that see requests finish) rewrites one small file there,
 ``progress-R.msgpack``, holding its ``ProgressCount``: written to a temporary
 name and renamed over the last one, so a reader never sees half a count. It
@@ -53,7 +53,7 @@ _SUFFIX = ".msgpack"
 
 
 class ProgressCount(msgspec.Struct, frozen=True, kw_only=True):
-    """One origin rank's requests: finished so far, of its total."""
+    """One scheduler rank's requests: finished so far, of its total."""
 
     rank: int
     finished: int
@@ -65,7 +65,7 @@ _decoder = msgspec.msgpack.Decoder(ProgressCount)
 
 
 class ProgressWriter:
-    """An origin rank's side: ``writer(finished, total)`` after each step.
+    """A scheduler rank's side: ``writer(finished, total)`` after each step.
 
     Writes nothing when ``directory`` does not exist here (a rank on another
     host), and stops writing at the first error (the launcher removed it):

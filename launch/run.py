@@ -77,7 +77,7 @@ def launch(
 ) -> RunResult:
     """Start every rank and wait for them; never raises for a failed rank.
 
-    With ``progress`` the origin ranks report their counts to this process,
+    With ``progress`` the scheduler ranks report their counts to this process,
     which draws the bar on stderr when that is a terminal (``progress.py``).
     ``KeyboardInterrupt`` propagates once every rank is stopped.
     """

@@ -59,6 +59,9 @@ class Summary(msgspec.Struct, kw_only=True):
     # at the end: how many, and how many broke the schema (failed with
     # output_schema_mismatch, never ok).
     end_checks: dict[str, int] = msgspec.field(default_factory=dict)
+    # Finished outputs of json / json_object requests parsed as JSON: how
+    # many, and how many were not JSON (failed with output_not_json, never ok).
+    json_checks: dict[str, int] = msgspec.field(default_factory=dict)
     # Resumed and restarted runs: requests carried over from earlier
     # attempts' journals, how many attempts came before, and journal lines
     # dropped as torn or damaged (their requests ran again); rank 0 adds
@@ -198,6 +201,10 @@ def merge(
         end_checks={
             "checked": sum(o.end_check is not None for o in outputs),
             "failed": sum(o.end_check == "failed" for o in outputs),
+        },
+        json_checks={
+            "checked": sum(o.json_check is not None for o in outputs),
+            "failed": sum(o.json_check == "failed" for o in outputs),
         },
         transport={
             "dropped": sum(r.stats.transport_dropped for r in reports if r.stats),

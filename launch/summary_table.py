@@ -70,6 +70,9 @@ def summary_table(s: Summary, out_dir: Path | None = None) -> Table:
     e = s.end_checks
     if e.get("checked"):
         t.add_row("end-checked outputs failed / checked", f"{e['failed']} / {e['checked']}")
+    jc = s.json_checks
+    if jc.get("checked"):
+        t.add_row("JSON-checked outputs not JSON / checked", f"{jc['failed']} / {jc['checked']}")
     for name, p in s.latency_ms.items():
         t.add_row(f"{name} ms p50 / p99", f"{p.p50:.3f} / {p.p99:.3f} (n={p.count})")
     t.add_row("determinism", determinism_line(s.determinism))

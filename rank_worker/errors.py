@@ -46,9 +46,12 @@ class ErrorCode(IntEnum):
     output_schema_mismatch = 50
     # The grammar's shortest sentence needs more tokens than max_tokens.
     grammar_unreachable_end = 51
+    # A finished output of a json / json_object request is not JSON
+    # (json.loads refuses it; grammars.end_check).
+    output_not_json = 52
     # The ranks of an agreement group held different pending requests: every
     # pending request there fails, so no rank admits one another lacks.
-    grammar_divergence = 52
+    grammar_divergence = 53
 
     @classmethod
     def name_of(cls, value: int) -> str:

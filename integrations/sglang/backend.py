@@ -77,6 +77,7 @@ from xgrammar import CompiledGrammar, GrammarMatcher
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
+from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
@@ -208,6 +209,8 @@ class GramcoordBackend(BaseGrammarBackend):
             any_whitespace=any_whitespace,
             max_whitespace_cnt=max_whitespace_cnt,
         )
+        # SGLang's own compiles, with JSON strings kept free of raw control characters.
+        self.host.grammar_compiler = SafeStrings(self.host.grammar_compiler)
         self.vocab_size = vocab_size
         self.config = config or grammar_config()
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__

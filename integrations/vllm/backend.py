@@ -33,6 +33,7 @@ from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
+from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
@@ -136,6 +137,8 @@ class GramcoordBackend(StructuredOutputBackend):
 
     def __post_init__(self) -> None:
         self.host = XgrammarBackend(self.vllm_config, self.tokenizer, self.vocab_size)
+        # vLLM's own compiles, with JSON strings kept free of raw control characters.
+        self.host.compiler = SafeStrings(self.host.compiler)
         self.vocab_size = self.host.vocab_size
         self.num_speculative_tokens = self.host.num_speculative_tokens
         so = self.vllm_config.structured_outputs_config

@@ -47,6 +47,7 @@ import xgrammar as xgr
 from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
+from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.native_exit import native_call
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
@@ -97,8 +98,9 @@ class XGrammarBackend:
             cache_enabled=True,
             cache_limit_bytes=max(1, cache_limit_bytes // 2),
         )
-        self.restricted = xgr.GrammarCompiler(tokenizer.info, **kw)
-        self.full = xgr.GrammarCompiler(tokenizer.full_info, **kw)
+        # JSON strings keep raw control characters out (``json_strings``).
+        self.restricted = SafeStrings(xgr.GrammarCompiler(tokenizer.info, **kw))
+        self.full = SafeStrings(xgr.GrammarCompiler(tokenizer.full_info, **kw))
         self._by_kind: dict[str, Callable[[xgr.GrammarCompiler, GrammarSpec], Any]] = {
             "json": lambda c, s: c.compile_json_schema(
                 s.text, any_whitespace=s.any_whitespace, strict_mode=s.strict_mode

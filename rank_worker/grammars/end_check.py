@@ -1,4 +1,10 @@
-"""The end check: a finished output validated against the schema the grammar weakened.
+"""The end checks: a finished JSON output parsed, and validated against a schema the grammar weakened.
+
+Every finished output of a ``json`` or ``json_object`` request must parse
+(``json_check``): a host's grammar that let a raw control character into a
+string (``json_strings``) or any other slip makes it fail with
+``output_not_json``, never ``ok``, and the run summary counts it
+(``json_checks``).
 
 A JSON schema whose grammar does not enforce all of it (a feature xgrammar
 ignores, admitted with ``grammar.reject_ignored_features: false``; a
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import jsonschema
 
@@ -26,6 +33,29 @@ from gramcoord.rank_worker.errors import ErrorCode
 _VALIDATORS = 256
 
 MISMATCH = ErrorCode.output_schema_mismatch.name
+NOT_JSON = ErrorCode.output_not_json.name
+
+
+def wants_json(spec: Any) -> bool:
+    """Whether a request's ``structured_outputs`` (a mapping, or its JSON text) asks for one
+    JSON value: a ``json`` schema or ``json_object``."""
+    if isinstance(spec, str | bytes):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            return False
+    if not isinstance(spec, dict):
+        return False
+    return spec.get("json") is not None or spec.get("json_object") is True
+
+
+def json_check(output: str) -> str | None:
+    """Why ``output`` is not JSON (``json.loads``'s own words), or ``None`` when it is."""
+    try:
+        json.loads(output)
+    except ValueError as exc:
+        return f"the output is not JSON: {exc}"
+    return None
 
 
 @functools.lru_cache(maxsize=_VALIDATORS)

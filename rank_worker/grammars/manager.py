@@ -1,13 +1,10 @@
 """One rank's grammar manager: validate, key, look up, compile, admit.
 
-Requests flow through three places:
-
-- the **waiting** queue, when the pending window (``grammar.max_pending``)
-  is full; nothing is dropped;
-- the **pending window**, in sequence order, each request either a cache
-  hit (ready), a compile job (its own or one it joined), or failed;
-- **running**, once a decision admitted it; it owns a matcher factory on
-  the shared ``CompiledGrammar``.
+Requests flow through three places: the **waiting** queue, when the
+pending window (``grammar.max_pending``) is full (nothing is dropped); the
+**pending window**, in sequence order, each request a cache hit (ready), a
+compile job (its own or one it joined), or failed; **running**, once a
+decision admitted it, on the shared ``CompiledGrammar``.
 
 Immediate verdicts that are identical on every rank (a spec that fails
 validation, a poisoned key) never enter the window. Everything else waits
@@ -25,7 +22,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import xgrammar as xgr
 
@@ -52,23 +49,10 @@ from gramcoord.rank_worker.grammars.outcome import (
     refuse_id,
     refuse_seq,
 )
-from gramcoord.rank_worker.grammars.shortest import ShortestBound
-from gramcoord.rank_worker.grammars.spec import validate_spec
+from gramcoord.rank_worker.grammars.spec import TokenBudget, admit
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class Lookup(NamedTuple):
-    """What the caches hold for a spec (``GrammarManager.lookup``), the same on every rank."""
-
-    # The grammar key; None for a spec that fails validation (``add``
-    # refuses it with its code).
-    key: bytes | None
-    # The compiled grammar on a cache hit.
-    compiled: Any
-    # The failed outcome of a poisoned key.
-    failed: Outcome | None
 
 
 class GrammarManager:
@@ -108,19 +92,15 @@ class GrammarManager:
         self._deferred: list[Outcome] = []
         self._next_seq = 0
         self.stats = ManagerStats()
-        # The unreachable-end bound, made at the first request with a budget
-        # (hosts that pass only a vocabulary's name never ask for it).
-        self._shortest: ShortestBound | None = None
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
 
     def follow(self, wait_s: float) -> None:
-        """Apply decisions made elsewhere from now on (later stages, ``fill`` followers).
+        """Apply decisions made elsewhere (later stages, ``fill`` followers).
 
-        ``apply_decision`` then waits up to ``wait_s`` per decision for local
-        compiles of the requests it admits (one deadline; past it a request
-        fails with ``grammar_stage_timeout``), and the failures it records
-        are not queued for sharing: the rank that decided shares them.
+        ``apply_decision`` then waits up to ``wait_s`` per decision for the
+        local compiles of what it admits (past it: ``grammar_stage_timeout``)
+        and shares no failure: the rank that decided does.
         """
         self.follow_wait_s = wait_s
 
@@ -153,8 +133,12 @@ class GrammarManager:
         refused = refuse_id(request_id, seq, live=self._seq_of)
         if refused is not None:
             return refused
+        # Hosts that pass only a vocabulary's name never give a budget.
+        budget = (
+            None if max_tokens is None else TokenBudget(max_tokens, self.tokenizer.max_token_bytes)
+        )
         try:
-            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
+            gspec, why = admit(spec, self.config, vocab=self.tokenizer.name, budget=budget)
         except SpecError as exc:
             self.stats.invalid_spec += 1
             return Outcome(
@@ -165,11 +149,6 @@ class GrammarManager:
                 message=exc.message,
             )
         entry = Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
-        why = None
-        if max_tokens is not None:
-            if self._shortest is None:
-                self._shortest = ShortestBound(self.tokenizer.max_token_bytes)
-            why = self._shortest.refusal(gspec, max_tokens)
         if why is not None:
             code = ErrorCode.grammar_unreachable_end.name
             return entry.outcome("failed", code=code, message=why)
@@ -182,6 +161,10 @@ class GrammarManager:
             return entry.outcome("waiting")
         self._enter_window(entry)
         return entry.outcome("pending")
+
+    def poisoned(self, entry: Entry) -> Outcome | None:
+        """The failed outcome of ``entry`` if its key is poisoned now (counted), else None."""
+        return self._poisoned_outcome(entry)
 
     def _poisoned_outcome(self, entry: Entry) -> Outcome | None:
         hit = self.caches.poisoned(entry.spec.key)
@@ -226,15 +209,13 @@ class GrammarManager:
     def local_status(self) -> LocalStatus:
         """This rank's view of the pending window, in sequence order."""
         self.service.poll()
-        seqs, states, reasons, keys = [], [], [], []
-        for seq, entry in self._pending.items():
-            state, reason = self._state(entry)
-            seqs.append(seq)
-            states.append(int(state))
-            reasons.append(reason)
-            keys.append(entry.spec.key)
+        entries = self._pending.values()
+        states = [self._state(e) for e in entries]
         return LocalStatus(
-            seqs=tuple(seqs), states=tuple(states), reasons=tuple(reasons), keys=tuple(keys)
+            seqs=tuple(self._pending),
+            states=tuple(int(st) for st, _ in states),
+            reasons=tuple(r for _, r in states),
+            keys=tuple(e.spec.key for e in entries),
         )
 
     def step(self, step: int = 0, *, clock_ms: int | None = None) -> list[Outcome]:
@@ -249,16 +230,10 @@ class GrammarManager:
         return out
 
     def apply_decision(self, decision: Decision) -> list[Outcome]:
-        """Admit and fail requests exactly as decided, in sequence order.
+        """Admit and fail requests exactly as ``decision`` says, in sequence order.
 
-        The ``coordinator.Member`` call. After ``follow(wait_s)``, admitted
-        requests whose local compile has not finished are waited for, all
-        against one deadline ``wait_s`` away.
-
-        Parameters
-        ----------
-        decision:
-            The agreed decision (identical on every rank of the group).
+        The ``coordinator.Member`` call; after ``follow(wait_s)``, admitted
+        requests not compiled here are waited for against one deadline.
         """
         wait_s = self.follow_wait_s or 0.0
         deadline = time.monotonic() + wait_s
@@ -380,26 +355,6 @@ class GrammarManager:
             self._waiting = deque(e for e in self._waiting if e.seq != seq)
         self._fill_window()
         return True
-
-    def lookup(self, spec: Any) -> Lookup:
-        """The caches' answer for ``spec`` now, queueing nothing (see ``Lookup``)."""
-        try:
-            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
-        except SpecError:
-            return Lookup(None, None, None)
-        compiled = self.caches.compiled.get(gspec.key)
-        failed = (
-            None if compiled is not None else self._poisoned_outcome(Entry(-1, "", gspec, "none"))
-        )
-        return Lookup(gspec.key, compiled, failed)
-
-    def poison_spec(self, spec: Any, code: ErrorCode, message: str) -> bool:
-        """Poison ``spec``'s key here (a host's own timeout); whether it did."""
-        try:
-            gspec = validate_spec(spec, self.config, vocab=self.tokenizer.name)
-        except SpecError:
-            return False
-        return self.caches.poison_here(gspec.key, code, message)
 
     def compiled_here(self, request_id: str) -> bool:
         """Whether this rank's compile of a pending request has ended (well or not).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -68,6 +68,18 @@ class Entry:
             compile_ms=round(self.compile_ms, 3),
             end_check=spec.text if spec.end_check and status == "admitted" else None,
         )
+
+
+class Lookup(NamedTuple):
+    """What the caches hold for a spec (``GrammarManager.lookup``), the same on every rank."""
+
+    # The grammar key; None for a spec that fails validation (``add``
+    # refuses it with its code).
+    key: bytes | None
+    # The compiled grammar on a cache hit.
+    compiled: Any
+    # The failed outcome of a poisoned key.
+    failed: Outcome | None
 
 
 class ManagerStats(msgspec.Struct, kw_only=True):

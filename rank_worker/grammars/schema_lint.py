@@ -1,13 +1,10 @@
-"""A schema-aware walk over a JSON Schema: canonical form and lint.
+"""The lint of one schema object: what xgrammar would not enforce, and the rewrites it would.
 
-One walk does three jobs:
+The walk (``schema_walk``) calls ``lint_node`` once for every schema object
+of the canonical tree, the first time it meets it, before it reads the
+object's keywords for its own reach. ``lint_node`` records findings and
+rewrites the object in place into what xgrammar enforces exactly.
 
-- **Canonical form.** Keyword order inside a schema object carries no
-  meaning, so keywords are sorted. The order of a ``properties`` map *does*
-  carry meaning (xgrammar emits properties in that order), so it is kept.
-  Data values (``const``, ``enum``, ``default``, ``examples``) are kept as
-  written. The result is what gets hashed *and* what gets compiled, so one
-  key always means one grammar.
 - **Ignored features.** xgrammar 0.2.9 compiles some keywords without
   enforcing them (it logs a C++ warning at most). Measured on this version:
   ``multipleOf`` on non-integers (and on integers when fractional, above
@@ -15,30 +12,36 @@ One walk does three jobs:
   ``uniqueItems``, ``contains``, ``allOf`` with two or more branches,
   length bounds next to ``pattern``/``format``, any ``format`` outside
   ``SUPPORTED_FORMATS``, the calendar of ``date`` / ``date-time``,
-  ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``not`` and
-  ``if``/``then``/``else``. These are reported; the session then refuses
-  the schema or checks the finished output (``grammar.reject_ignored_features``).
+  ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``not``,
+  ``if``/``then``/``else``, ``$dynamicRef``, ``unevaluatedProperties: false``
+  without ``strict_mode``, and every constraint beside the keyword xgrammar
+  builds a node from (``$ref``, else ``const``/``enum``, else the first of
+  ``anyOf``/``oneOf``/``allOf``). These are reported; the session then
+  refuses the schema or checks the finished output
+  (``grammar.reject_ignored_features``). The audit of every draft 2020-12
+  keyword in every placement is tests/rank_worker/grammars/test_keyword_audit.py.
 - **Rewrites.** A count keyword written as an integral float
   (``minLength: 2.0``) is written as the integer: xgrammar refuses the float
-  but enforces the same bound as an integer.
+  but enforces the same bound as an integer. ``enum`` / ``const`` values are
+  filtered by the constraints beside them (``_rewrite_enum``).
 - **Type names.** A ``type`` that names no JSON Schema type (``"objekt"``)
   is reported, so it fails with a clear message before xgrammar's own.
 - **References.** A ``$ref`` that is not a local JSON pointer is compiled by
   xgrammar as "anything"; it is reported as ``unconstrained_ref``. A local
   pointer that does not resolve is an error.
 
-Checks that follow the converter's own reach (``oneOf`` relaxed to
-``anyOf``, dropped ``required`` names) live in ``schema_reach``.
-
-The walk is iterative, so a hostile 100k-deep schema cannot blow the stack.
+Findings that follow the converter's own reach (``oneOf`` relaxed to
+``anyOf``, dropped ``required`` names) are the walk's.
 """
 
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import unquote
 
 import jsonschema
+
+from gramcoord.rank_worker.grammars.schema_tree import MISSING, SchemaTree
+from gramcoord.rank_worker.grammars.schema_values import is_num
 
 # Formats xgrammar 0.2.9 enforces (each rejects "% %" where a plain string
 # accepts it; tests/rank_worker/grammars/test_schema_lint.py re-checks this list).
@@ -69,17 +72,15 @@ _UNENFORCED_KEYWORDS = ("dependencies", "dependentRequired", "dependentSchemas",
 _CALENDAR_FORMATS = frozenset({"date", "date-time"})
 # Keywords that take a whole number: an integral float (``2.0``) is written
 # as the integer, which xgrammar enforces (it refuses ``2.0`` outright).
-_COUNT_KEYWORDS = frozenset(
-    {
-        "minLength",
-        "maxLength",
-        "minItems",
-        "maxItems",
-        "minProperties",
-        "maxProperties",
-        "minContains",
-        "maxContains",
-    }
+_COUNT_KEYWORDS = (
+    "maxContains",
+    "maxItems",
+    "maxLength",
+    "maxProperties",
+    "minContains",
+    "minItems",
+    "minLength",
+    "minProperties",
 )
 
 # Keywords that constrain a value of one type. On a node without ``type``
@@ -93,73 +94,97 @@ VALUE_KEYWORDS = {
     "object": ("patternProperties", "minProperties", "maxProperties", "propertyNames"),
     "array": ("minItems", "maxItems"),
 }
-_INFERS = {"object": ("properties", "additionalProperties"), "array": ("items", "prefixItems")}
-_SHAPE_KEYWORDS = ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")
+_INFERS = {
+    "object": ("properties", "additionalProperties", "unevaluatedProperties"),
+    "array": ("items", "prefixItems", "unevaluatedItems"),
+}
+_SIBLINGS = frozenset({"type", *(k for keys in VALUE_KEYWORDS.values() for k in keys)})
+# The keywords xgrammar builds a node from, in the order it looks for them;
+# every other constraint beside the one it finds is dropped.
+_WINNERS = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+# Keywords that constrain an instance: draft 2020-12's applicator and
+# validation vocabularies, ``format`` (enforced here) and the older
+# ``dependencies``. Annotations (title, default, examples, ``content*``,
+# ``$comment``, ...) and containers (``$defs``) constrain nothing.
+CONSTRAINTS = frozenset(
+    {
+        *_SIBLINGS,
+        *_WINNERS,
+        "$dynamicRef",
+        "additionalProperties",
+        "contains",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "else",
+        "if",
+        "items",
+        "maxContains",
+        "minContains",
+        "not",
+        "prefixItems",
+        "properties",
+        "required",
+        "then",
+        "uniqueItems",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    }
+)
+# Reported wherever they appear, by a finding of their own (``required`` by
+# the walk's own check).
+_REPORTED_ANYWHERE = frozenset(
+    {
+        "$dynamicRef",
+        "contains",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "else",
+        "if",
+        "maxContains",
+        "minContains",
+        "not",
+        "required",
+        "then",
+    }
+)
 
 # The values ``type`` may name (JSON Schema's instance types).
 JSON_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 
-# Keywords whose value is one schema, a list of schemas, or a map of them.
-_ONE = frozenset(
-    {
-        "additionalProperties",
-        "additionalItems",
-        "contains",
-        "propertyNames",
-        "not",
-        "if",
-        "then",
-        "else",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "items",
-    }
-)
-_LIST = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
-_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
 
 class SchemaFindings:
-    """What the walk found: ignored features, bad and remote refs, depth."""
+    """What the walk found. The lint's lists carry each object's tree rank
+    first (the walk meets objects out of tree order and sorts them back)."""
 
     def __init__(self) -> None:
-        # (json path, message) for features xgrammar would not enforce.
-        self.ignored: list[tuple[str, str]] = []
-        # (json path, ref) of refs xgrammar compiles as unconstrained.
-        self.remote_refs: list[tuple[str, str]] = []
-        # (json path, ref) of local pointers that do not resolve.
-        self.broken_refs: list[tuple[str, str]] = []
-        # (json path, value) of ``type`` values that name no JSON Schema type.
-        self.bad_types: list[tuple[str, Any]] = []
-        self.max_depth = 0
-        self.max_values = 0
+        # (rank, json path, message) for features xgrammar would not enforce.
+        self.ignored: list[tuple[int, str, str]] = []
+        # (rank, json path, ref) of refs xgrammar compiles as unconstrained.
+        self.remote_refs: list[tuple[int, str, str]] = []
+        # (rank, json path, ref) of local pointers that do not resolve.
+        self.broken_refs: list[tuple[int, str, str]] = []
+        # (rank, json path, value) of ``type`` values that name no JSON Schema type.
+        self.bad_types: list[tuple[int, str, Any]] = []
+        # The walk's own, in the converter's order: ``required`` names it
+        # drops ((path, message)), and ``oneOf`` paths it relaxes to anyOf.
+        self.dropped_required: list[tuple[str, str]] = []
+        self.inexact_one_ofs: list[str] = []
 
 
-# What ``pointer_target`` returns for a pointer that names nothing.
-MISSING = object()
+def lint_node(
+    node: dict, path: str, rank: int, tree: SchemaTree, found: SchemaFindings, *, strict_mode: bool
+) -> None:
+    """Lint one schema object as written, then rewrite it in place into what xgrammar enforces.
 
+    ``tree`` resolves its ``$ref`` and says whether it describes a key
+    (``propertyNames``); ``strict_mode`` is the request's.
+    """
 
-def pointer_target(root: Any, ref: str) -> Any:
-    """The node a local ``#``/``#/...`` pointer names, or ``MISSING``."""
-    if ref == "#":
-        return root
-    node = root
-    for raw in ref[2:].split("/"):
-        part = unquote(raw).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return MISSING
-    return node
+    def ignored(msg: str) -> None:
+        found.ignored.append((rank, path, msg))
 
-
-def _resolve_pointer(root: Any, ref: str) -> bool:
-    return pointer_target(root, ref) is not MISSING
-
-
-def _lint_node(node: dict, path: str, findings: SchemaFindings, root: Any) -> None:
     types = node.get("type")
     # A type naming no JSON Schema type is reported; the checks below look
     # at the string names only.
@@ -167,100 +192,159 @@ def _lint_node(node: dict, path: str, findings: SchemaFindings, root: Any) -> No
     type_set = {t for t in type_list if isinstance(t, str)}
     bad = [t for t in type_list if t not in JSON_TYPES] or ([] if type_list else [types])
     if "type" in node and bad:
-        findings.bad_types.append((f"{path}.type", bad[0]))
+        found.bad_types.append((rank, f"{path}.type", bad[0]))
     if "multipleOf" in node and type_set != {"integer"}:
-        findings.ignored.append((path, "multipleOf is only enforced for type 'integer'"))
+        ignored("multipleOf is only enforced for type 'integer'")
     elif "multipleOf" in node:
         reason = _integer_multiple_of_ignored(node)
         if reason:
-            findings.ignored.append((path, reason))
+            ignored(reason)
     if node.get("uniqueItems") is True:
-        findings.ignored.append((path, "uniqueItems is not enforced"))
+        ignored("uniqueItems is not enforced")
     if "contains" in node:
-        findings.ignored.append((path, "contains is not enforced correctly"))
+        ignored("contains is not enforced correctly")
     all_of = node.get("allOf")
     if isinstance(all_of, list) and len(all_of) >= 2:
-        findings.ignored.append((path, f"allOf with {len(all_of)} branches is not enforced"))
-    _lint_untyped(node, path, findings)
+        ignored(f"allOf with {len(all_of)} branches is not enforced")
+    for msg in _dropped(node, tree):
+        ignored(msg)
     for key in _UNENFORCED_KEYWORDS:
         if key in node:
-            findings.ignored.append((path, f"{key} is not enforced"))
+            ignored(f"{key} is not enforced")
     if "if" in node and ("then" in node or "else" in node):
-        findings.ignored.append((path, "if/then/else is not enforced"))
+        ignored("if/then/else is not enforced")
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in SUPPORTED_FORMATS:
-        findings.ignored.append((path, f"format {fmt!r} is not enforced"))
+        ignored(f"format {fmt!r} is not enforced")
     elif isinstance(fmt, str) and fmt in _CALENDAR_FORMATS:
-        findings.ignored.append((path, f"format {fmt!r} accepts impossible dates (2022-02-30)"))
+        ignored(f"format {fmt!r} accepts impossible dates (2022-02-30)")
     has_len = "minLength" in node or "maxLength" in node
-    if has_len and ("pattern" in node or isinstance(fmt, str)):
-        findings.ignored.append((path, "minLength/maxLength next to pattern/format is ignored"))
-    for key in ("enum", "required"):
-        if isinstance(node.get(key), list):
-            findings.max_values = max(findings.max_values, len(node[key]))
+    # An unknown format is ignored and the bounds kept; a known one wins.
+    if has_len and ("pattern" in node or (isinstance(fmt, str) and fmt in SUPPORTED_FORMATS)):
+        ignored("minLength/maxLength next to pattern/format is ignored")
+    if (
+        node.get("unevaluatedProperties") is False
+        and not strict_mode
+        and "additionalProperties" not in node
+        and not any(k in node for k in _WINNERS)  # else reported as dropped beside it
+        and _may_be("object", node)
+    ):
+        # Other keys are allowed, of any value, as without the keyword.
+        ignored("unevaluatedProperties: false is not enforced without strict_mode")
     ref = node.get("$ref")
     if isinstance(ref, str):
         if ref == "#" or ref.startswith("#/"):
-            if not _resolve_pointer(root, ref):
-                findings.broken_refs.append((path, ref))
+            if tree.refs.get(ref, MISSING) is MISSING:
+                found.broken_refs.append((rank, path, ref))
         else:
-            findings.remote_refs.append((path, ref))
-    if isinstance(node.get("$dynamicRef"), str):
-        findings.remote_refs.append((path, node["$dynamicRef"]))
+            found.remote_refs.append((rank, path, ref))
+    if "$dynamicRef" in node:
+        ignored("$dynamicRef is not enforced")
+    for why in _rewrite_enum(node):
+        ignored(why)
+    for key in _COUNT_KEYWORDS:
+        value = node.get(key)
+        if isinstance(value, float) and value.is_integer():
+            node[key] = int(value)  # the same constraint, written as xgrammar takes it
 
 
-_SIBLINGS = frozenset({"type", *(k for keys in VALUE_KEYWORDS.values() for k in keys)})
+def _dropped(node: dict, tree: SchemaTree) -> list[str]:
+    """Constraints xgrammar drops: beside the keyword it builds the node from, or value
+    keywords on a node without type (unless the type is inferred, or it describes a key)."""
+    winner = next((k for k in _WINNERS if k in node), None)
+    if winner in ("const", "enum"):
+        return []  # the values are the constraint; _rewrite_enum keeps those that satisfy the rest
+    if winner is not None:
+        return [
+            f"{key} beside {winner} is not enforced"
+            for key in node
+            if key in CONSTRAINTS
+            and key != winner
+            and key not in _REPORTED_ANYWHERE
+            and not (key == "uniqueItems" and node[key] is not True)
+            and not (key == "allOf" and isinstance(node[key], list) and len(node[key]) >= 2)
+            and not (key == "type" and _type_implied(node, winner, tree.refs))
+        ]
+    if "type" in node or id(node) in tree.key_schemas:
+        return []  # keywords of another type than the node's (a key's: string) constrain nothing
+    found = []
+    for kind, keys in VALUE_KEYWORDS.items():
+        if any(k in node for k in _INFERS.get(kind, ())):
+            continue  # the type is inferred and its keywords enforced
+        found.extend(f"{key} on a node without type is not enforced" for key in keys if key in node)
+    return found
 
 
-def _rewrite_enum(node: dict, path: str, findings: SchemaFindings) -> dict:
-    """Keep only the ``enum`` / ``const`` values that satisfy the keywords beside them.
+def _type_names(value: Any) -> set[str] | None:
+    names = value if isinstance(value, list) else [value]
+    if not names or not all(isinstance(n, str) for n in names):
+        return None
+    return {"number" if n == "integer" else n for n in names} | set(names)
+
+
+def _type_implied(node: dict, winner: str, refs: dict[str, Any]) -> bool:
+    """Whether every branch xgrammar builds ``node`` from has a type within ``node``'s own."""
+    outer = _type_names(node["type"])
+    ref = node["$ref"] if winner == "$ref" else None
+    arms = [refs.get(ref, MISSING) if isinstance(ref, str) else MISSING] if ref else node[winner]
+    if outer is None or not isinstance(arms, list) or not arms:
+        return False
+    for arm in arms:
+        inner = _type_names(arm.get("type")) if isinstance(arm, dict) and "type" in arm else None
+        if (
+            inner is None
+            or not {n for n in inner if n != "number" or "integer" not in inner} <= outer
+        ):
+            return False
+    return True
+
+
+def _may_be(kind: str, node: dict) -> bool:
+    names = _type_names(node.get("type", kind))
+    return names is None or kind in names
+
+
+def _rewrite_enum(node: dict) -> list[str]:
+    """Keep only the ``enum`` / ``const`` values that satisfy the constraints beside them.
 
     xgrammar emits exactly the listed values and ignores ``type``,
-    ``minLength`` and the other value keywords beside them; JSON Schema
-    requires both. Filtering the values with those keywords (``jsonschema``,
-    formats checked) gives a schema xgrammar enforces exactly.
+    ``minLength``, ``properties`` and every other constraint beside them;
+    JSON Schema requires both. Filtering the values with those constraints
+    (``jsonschema``, formats checked) gives a schema xgrammar enforces
+    exactly. Returns findings when no value satisfies them, or when
+    ``jsonschema`` cannot check the constraints beyond type and value
+    keywords (a ``$ref`` to the rest of the document, say).
     """
-    values = node.get("enum") if isinstance(node.get("enum"), list) else None
-    if values is None and "const" not in node:
-        return node
-    siblings = {k: node[k] for k in node if k in _SIBLINGS}
+    # xgrammar emits the const when there is one (an enum beside it is a
+    # constraint on it), else the enum values.
+    values = None if "const" in node or not isinstance(node.get("enum"), list) else node["enum"]
+    if "$ref" in node or (values is None and "const" not in node):
+        return []
+    winner = "enum" if values is not None else "const"
+    siblings = {k: node[k] for k in node if k in CONSTRAINTS and k != winner}
     if not siblings:
-        return node
+        return []
+    what = "const" if values is None else "enum values"
+    local = {k: node[k] for k in ("$defs", "definitions") if k in node}
     try:
         cls = jsonschema.validators.validator_for({})
-        check = cls(siblings, format_checker=cls.FORMAT_CHECKER)
+        check = cls({**local, **siblings}, format_checker=cls.FORMAT_CHECKER)
         if values is None:
             keep = [node["const"]] if check.is_valid(node["const"]) else []
         else:
             keep = [v for v in values if check.is_valid(v)]
     except (jsonschema.SchemaError, TypeError, ValueError, RecursionError):
-        return node  # keywords jsonschema cannot use: xgrammar's own verdict stands
+        return []  # keywords jsonschema cannot use: xgrammar's own verdict stands
+    except Exception:  # an unresolvable $ref inside, among others
+        return [f"{k} beside {what} is not enforced" for k in siblings if k not in _SIBLINGS]
     if not keep:
         # Nothing here can match, yet the schema may still be satisfiable
         # (an optional property): xgrammar's grammar stays, and the end
         # check catches an output that uses the node.
-        what = "const" if values is None else "enum values"
-        findings.ignored.append((path, f"{sorted(siblings)} beside {what} is not enforced"))
-        return node
-    if values is None or len(keep) == len(values):
-        return node
-    return {**node, "enum": keep}
-
-
-def _lint_untyped(node: dict, path: str, findings: SchemaFindings) -> None:
-    """Value keywords xgrammar drops: on an untyped node, or beside a shape keyword."""
-    if "type" in node and not any(k in node for k in ("$ref", "anyOf", "oneOf", "allOf")):
-        return
-    shape = next((k for k in _SHAPE_KEYWORDS if k in node), None)
-    if shape in ("enum", "const") and "type" not in node:
-        return  # the values are the constraint; rewrite_enum keeps those that satisfy the rest
-    for kind, keys in VALUE_KEYWORDS.items():
-        if shape is None and any(k in node for k in _INFERS.get(kind, ())):
-            continue  # the type is inferred and its keywords enforced
-        for key in keys:
-            if key in node:
-                where = f"beside {shape}" if shape else "on a node without type"
-                findings.ignored.append((path, f"{key} {where} is not enforced"))
+        return [f"{sorted(siblings)} beside {what} is not enforced"]
+    if values is not None and len(keep) < len(values):
+        node["enum"] = keep
+    return []
 
 
 # xgrammar 0.2.9 enforces an integer multipleOf only up to this value, and
@@ -295,94 +379,3 @@ def _integer_multiple_of_ignored(node: dict) -> str | None:
             f"span at most {_MAX_MULTIPLE_OF_RANGE} integers"
         )
     return None
-
-
-def _data_depth(value: Any) -> int:
-    depth, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict | list):
-            depth = max(depth, d)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return depth
-
-
-def walk_schema(schema: Any, *, max_depth: int) -> tuple[Any, SchemaFindings]:
-    """Canonicalize and lint ``schema`` in one iterative pass.
-
-    Returns the canonical copy and the findings. Walking stops descending
-    past ``max_depth`` (the caller rejects such a schema), so a hostile
-    depth costs O(max_depth) work per branch, not a crash.
-    """
-    findings = SchemaFindings()
-    out_root: list[Any] = [None]
-    # Stack items: (value, is_schema, depth, path, setter)
-    stack: list[tuple[Any, bool, int, str, Any]] = [
-        (schema, True, 1, "$", lambda v: out_root.__setitem__(0, v))
-    ]
-    while stack:
-        value, is_schema, depth, path, put = stack.pop()
-        findings.max_depth = max(findings.max_depth, depth if isinstance(value, dict | list) else 0)
-        if depth > max_depth:
-            put(value)
-            continue
-        if not is_schema:
-            put(value)
-            d = _data_depth(value)
-            findings.max_depth = max(findings.max_depth, depth - 1 + d)
-            if isinstance(value, list):
-                findings.max_values = max(findings.max_values, len(value))
-            continue
-        if not isinstance(value, dict):
-            put(value)
-            continue
-        _lint_node(value, path, findings, schema)
-        value = _rewrite_enum(value, path, findings)
-        # Keys are seeded in order first: children are filled later, in
-        # stack (reverse) order.
-        new: dict[str, Any] = dict.fromkeys(sorted(value))
-        put(new)
-        for key in sorted(value):
-            child = value[key]
-            cpath = f"{path}.{key}"
-            if key in _MAP and isinstance(child, dict):
-                # Keep the map's own order: it is the property order.
-                sub: dict[str, Any] = dict.fromkeys(child)
-                new[key] = sub
-                for name, s in child.items():
-                    stack.append((s, True, depth + 2, f"{cpath}.{name}", _setter(sub, name)))
-            elif key in _LIST and isinstance(child, list):
-                items: list[Any] = [None] * len(child)
-                new[key] = items
-                for i, s in enumerate(child):
-                    stack.append((s, True, depth + 2, f"{cpath}[{i}]", _setter(items, i)))
-            elif key in _ONE and isinstance(child, dict):
-                stack.append((child, True, depth + 1, cpath, _setter(new, key)))
-            elif key == "dependencies" and isinstance(child, dict):
-                sub = dict.fromkeys(child)
-                new[key] = sub
-                for name, s in child.items():
-                    stack.append((s, isinstance(s, dict), depth + 2, cpath, _setter(sub, name)))
-            else:
-                if key in _COUNT_KEYWORDS and isinstance(child, float) and child.is_integer():
-                    child = int(child)  # the same constraint, written as xgrammar takes it
-                stack.append((child, False, depth + 1, cpath, _setter(new, key)))
-    return out_root[0], findings
-
-
-def _setter(container: Any, key: Any):
-    def put(v: Any) -> None:
-        container[key] = v
-
-    return put
-
-
-def is_num(v: Any) -> bool:
-    """A JSON number (``bool`` is not one)."""
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def is_int64(v: Any) -> bool:
-    # The C++ JSON reader keeps integer literals within int64 as integers;
-    # everything else numeric is a double.
-    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63

@@ -1,16 +1,19 @@
-"""A lower bound on the length of any output a grammar allows: unreachable ends.
+"""The unreachable-end bound: the fewest tokens any output of a grammar needs.
 
-A ``regex`` of ``a{100000}``, a ``minLength`` of 10^8 or a ``minItems`` of
-10^6 can never reach the grammar's end within ``max_tokens: 256``: every
-token the model samples carries at most ``Tokenizer.max_token_bytes``
-bytes, so an output of at least ``n`` bytes needs at least
-``ceil(n / max_token_bytes)`` tokens. A request whose bound exceeds its
-``max_tokens`` fails at admission with ``grammar_unreachable_end`` instead
-of burning every token to ``length``.
+The last pass of ``spec.admit``, run when the request brings a token
+budget. A ``regex`` of ``a{100000}``, a ``minLength`` of 10^8 or a
+``minItems`` of 10^6 can never reach the grammar's end within
+``max_tokens: 256``: every token the model samples carries at most
+``Tokenizer.max_token_bytes`` bytes, so an output of at least ``n`` bytes
+needs at least ``ceil(n / max_token_bytes)`` tokens. A request whose bound
+exceeds its ``max_tokens`` fails at admission with
+``grammar_unreachable_end`` instead of burning every token to ``length``.
 
 The bound is conservative: wherever it cannot tell (a ``$ref`` cycle, a
 regex Python cannot parse, Lark, structural tags), it counts 0. It depends
-only on the spec, so every rank gives the same verdict.
+only on the spec, so every rank gives the same verdict. A JSON schema is
+bounded over its canonical tree (``schema_tree``), whose ``$ref``s are
+already resolved.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from gramcoord.rank_worker.grammars.schema_lint import MISSING, is_num, pointer_target
+from gramcoord.rank_worker.grammars.schema_tree import MISSING, SchemaTree
 
 try:  # the stdlib's own regex parser (private, stable since 3.11)
     from re import _parser as _sre_parse
@@ -40,26 +43,57 @@ def regex_min_chars(pattern: str) -> int:
     return int(min(low, _INF))
 
 
-def min_output_bytes(kind: str, text: str) -> int:
+def unreachable_end(
+    kind: str, text: str, tree: SchemaTree | None, max_tokens: int, max_token_bytes: int
+) -> str | None:
+    """Why no output of the grammar fits in ``max_tokens`` tokens, or ``None`` when one may.
+
+    ``tree`` is the canonical tree of a ``json`` spec (``None`` for the
+    other kinds); ``max_token_bytes`` is the vocabulary's longest token.
+    """
+    need = min_tokens(min_output_bytes(kind, text, tree), max_token_bytes)
+    if need <= max_tokens:
+        return None
+    return (
+        f"the grammar's shortest output needs at least {need} tokens (of at most "
+        f"{max_token_bytes} bytes each); max_tokens is {max_tokens}: raise "
+        "max_tokens or loosen the length bounds"
+    )
+
+
+def min_output_bytes(kind: str, text: str, tree: SchemaTree | None = None) -> int:
     """A lower bound, in bytes, on every output of the grammar ``kind`` / ``text``."""
     if kind == "regex":
         return regex_min_chars(text)
     if kind == "choice":
         options = json.loads(text)
         return min((len(o.encode("utf-8")) for o in options), default=0)
-    if kind == "json":
-        schema = json.loads(text)
-        return _Walk(schema).min_len(schema, 0)
+    if kind == "json" and tree is not None:
+        return _Walk(tree.refs).min_len(tree.root, 0)
     if kind == "json_object":
         return 2
+    return 0
+
+
+def min_tokens(min_bytes: int, max_token_bytes: int) -> int:
+    """Tokens an output of ``min_bytes`` bytes needs at the least (the end's stop token excluded)."""
+    if min_bytes <= 0:
+        return 0
+    return -(-min_bytes // max(1, max_token_bytes))
+
+
+def _count(v: Any) -> int:
+    """A count keyword's value as a whole number; 0 unless it is a positive JSON number."""
+    if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+        return int(min(v, _INF))
     return 0
 
 
 class _Walk:
     """Shortest JSON text of a schema, memoized per ``$ref`` target."""
 
-    def __init__(self, root: Any) -> None:
-        self.root = root
+    def __init__(self, refs: dict[str, Any]) -> None:
+        self.refs = refs
         self._refs: dict[str, int] = {}
 
     def min_len(self, s: Any, depth: int) -> int:
@@ -69,7 +103,7 @@ class _Walk:
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             if ref not in self._refs:
                 self._refs[ref] = 0  # a cycle counts 0 (conservative)
-                target = pointer_target(self.root, ref)
+                target = self.refs.get(ref, MISSING)
                 self._refs[ref] = 0 if target is MISSING else self.min_len(target, depth + 1)
             return self._refs[ref]
         if "const" in s:
@@ -94,8 +128,7 @@ class _Walk:
 
     def _of_type(self, t: str, s: dict, depth: int) -> int:
         if t == "string":
-            n = s.get("minLength", 0)
-            chars = int(n) if is_num(n) and n > 0 else 0
+            chars = _count(s.get("minLength"))
             if isinstance(s.get("pattern"), str):
                 chars = max(chars, regex_min_chars(s["pattern"]))
             return 2 + min(chars, _INF)
@@ -104,8 +137,7 @@ class _Walk:
         if t in ("boolean", "null"):
             return 4
         if t == "array":
-            n = s.get("minItems", 0)
-            count = int(min(n, _INF)) if is_num(n) and n > 0 else 0
+            count = _count(s.get("minItems"))
             if count == 0:
                 return 2
             prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
@@ -116,8 +148,7 @@ class _Walk:
         if t == "object":
             props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
             required = [r for r in s.get("required", ()) if isinstance(r, str)]
-            n = s.get("minProperties", 0)
-            count = int(min(n, _INF)) if is_num(n) and n > 0 else 0
+            count = _count(s.get("minProperties"))
             # Each property is at least `"":0` (4 bytes), commas between.
             least = 2 + 5 * count - 1 if count else 2
             if not required:
@@ -128,43 +159,3 @@ class _Walk:
                 total += key + self.min_len(props.get(name, {}), depth + 1)
             return min(max(total, least), _INF)
         return 0
-
-
-def min_tokens(min_bytes: int, max_token_bytes: int) -> int:
-    """Tokens an output of ``min_bytes`` bytes needs at the least (the end's stop token excluded)."""
-    if min_bytes <= 0:
-        return 0
-    return -(-min_bytes // max(1, max_token_bytes))
-
-
-# Bounds kept, by grammar key.
-_KEPT = 4096
-
-
-class ShortestBound:
-    """The unreachable-end check of one vocabulary, memoized by grammar key."""
-
-    def __init__(self, max_token_bytes: int) -> None:
-        self.max_token_bytes = max_token_bytes
-        self._tokens: dict[bytes, int] = {}
-
-    def tokens(self, kind: str, text: str, key: bytes) -> int:
-        """Tokens the grammar's shortest output needs at the least."""
-        need = self._tokens.get(key)
-        if need is None:
-            need = min_tokens(min_output_bytes(kind, text), self.max_token_bytes)
-            if len(self._tokens) >= _KEPT:
-                self._tokens.pop(next(iter(self._tokens)))
-            self._tokens[key] = need
-        return need
-
-    def refusal(self, gspec: Any, max_tokens: int) -> str | None:
-        """Why ``gspec`` cannot end within ``max_tokens`` tokens, or None."""
-        need = self.tokens(gspec.kind, gspec.text, gspec.key)
-        if need <= max_tokens:
-            return None
-        return (
-            f"the grammar's shortest output needs at least {need} tokens (of at most "
-            f"{self.max_token_bytes} bytes each); max_tokens is {max_tokens}: raise "
-            "max_tokens or loosen the length bounds"
-        )

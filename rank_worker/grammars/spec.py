@@ -1,9 +1,14 @@
 """Structured-output specs: the request-facing type, validation and keys.
 
-``StructuredOutputSpec`` uses vLLM's field names. ``validate_spec`` turns one
-into a ``GrammarSpec``: a normalized, hashable description of exactly what
-will be compiled, with its grammar key. Every rejection is a ``SpecError``
-with a stable code; nothing here raises anything else for bad input.
+``StructuredOutputSpec`` uses vLLM's field names. ``admit`` turns one into
+a ``GrammarSpec`` (a normalized, hashable description of exactly what will
+be compiled, with its grammar key) in one forward sequence of passes:
+parse the request, make the text (for a JSON schema: ``schema``'s
+canonical form, one walk, and the verdict), key it, and with a token
+budget bound it (``shortest``). ``GrammarManager.add`` calls ``admit``;
+hosts that only validate call ``validate_spec``. Every rejection is a
+``SpecError`` with a stable code; nothing here raises anything else for
+bad input.
 
 The key is a blake2b-128 digest of ``kind``, the canonical text, the compile
 options and the vocabulary name. It is the same on every rank and every run.
@@ -13,19 +18,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
 from gramcoord.rank_worker.config import GrammarConfig
-from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
-from gramcoord.rank_worker.grammars.schema_lint import JSON_TYPES, walk_schema
-from gramcoord.rank_worker.grammars.schema_reach import inexact_one_ofs, unenforced_required
-
-MAX_DEPTH = 64
-MAX_DEPTH_STRUCTURAL_TAG = 80
-# Enum / choice / required lists longer than this are hostile, not real.
-MAX_VALUES = 10_000
+from gramcoord.rank_worker.errors import ErrorCode, SpecError
+from gramcoord.rank_worker.grammars.schema import (
+    END_CHECKED,
+    MAX_DEPTH,
+    MAX_VALUES,
+    canonical_json,
+    schema_text,
+    tag_warnings,
+)
+from gramcoord.rank_worker.grammars.schema_tree import SchemaTree
+from gramcoord.rank_worker.grammars.shortest import unreachable_end
 
 GrammarKind = Literal["json", "regex", "choice", "ebnf", "lark", "json_object", "structural_tag"]
 _KIND_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -82,10 +90,6 @@ class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True):
     def needs_full_vocab(self) -> bool:
         """Lark and structural tags may emit special tokens such as <tool_call>."""
         return self.kind in ("lark", "structural_tag")
-
-
-def _canonical_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _text_depth(text: str) -> int:
@@ -152,28 +156,13 @@ def _check_size(text: str, config: GrammarConfig, field: str) -> None:
         )
 
 
-def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[str, list[str]]:
-    """A JSON schema's path to its grammar text, one pass after another.
-
-    1. **parse** (``_load_json_value``) and size it;
-    2. **one walk** (``schema_lint.walk_schema``): canonical form, the lint
-       of features xgrammar would not enforce, and the rewrites into what it
-       enforces exactly (integral-float counts, enum / const values filtered
-       by the keywords beside them);
-    3. **reach** (``schema_reach``): ``required`` names and ``oneOf``
-       branches as xgrammar's converter reaches them, with this request's
-       ``strict_mode``;
-    4. **verdict**: refuse, or admit with warnings (the end check then
-       validates the output, ``GrammarSpec.end_check``);
-    5. the canonical text is what the compile service compiles and keys.
-
-    A new rule belongs to exactly one of these passes.
-    """
+def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool):
+    """Parse and size a JSON schema, then hand it to ``schema`` for its passes."""
     schema = _load_json_value(value, "json", config)
     if not isinstance(value, str):
         # A schema given as an object is sized before the walk too: a hostile
         # 5 MB object fails in one C-speed dump, not after seconds of lint.
-        _check_size(_canonical_json(schema), config, "json")
+        _check_size(canonical_json(schema), config, "json")
     if schema is True or schema == {}:
         schema = {}
     elif schema is False:
@@ -183,75 +172,9 @@ def _json_schema(value: Any, config: GrammarConfig, strict_mode: bool) -> tuple[
             ErrorCode.spec_bad_json,
             f"json must be a JSON Schema object or boolean, not {type(schema).__name__}",
         )
-    canonical, found = walk_schema(schema, max_depth=MAX_DEPTH)
-    if found.max_depth > MAX_DEPTH:
-        raise SpecError(
-            ErrorCode.spec_too_deep,
-            f"json schema nests {found.max_depth} levels; the limit is {MAX_DEPTH}",
-        )
-    if found.max_values > MAX_VALUES:
-        raise SpecError(
-            ErrorCode.spec_too_many_values,
-            f"json schema has a list of {found.max_values} values; the limit is {MAX_VALUES}",
-        )
-    if found.bad_types:
-        path, value = found.bad_types[0]
-        raise SpecError(
-            ErrorCode.spec_bad_json,
-            f"json schema: {path}: {json.dumps(value)} is not a JSON Schema type; "
-            f"use one of {', '.join(JSON_TYPES)} (or a list of them)",
-        )
-    if found.broken_refs:
-        path, ref = found.broken_refs[0]
-        raise SpecError(ErrorCode.spec_bad_json, f"$ref {ref!r} at {path} does not resolve")
-    warnings: list[str] = []
-    # Follows the converter's reach, which depends on strict_mode: checked
-    # with the request's own.
-    ignored = found.ignored + unenforced_required(canonical, strict_mode=strict_mode)
-    if ignored:
-        detail = "; ".join(f"{p}: {m}" for p, m in ignored[:5])
-        more = f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else ""
-        if config.reject_ignored_features:
-            raise SpecError(
-                ErrorCode.schema_unsupported_feature,
-                f"xgrammar would not enforce: {detail}{more}. Remove these keywords, or set "
-                "grammar.reject_ignored_features=false to accept them unenforced",
-            )
-        warnings.append(f"{WarningCode.ignored_feature}: {detail}{more}")
-    if found.remote_refs:
-        refs = ", ".join(f"{r!r} at {p}" for p, r in found.remote_refs[:3])
-        warnings.append(f"{WarningCode.unconstrained_ref}: {refs} not resolvable locally")
-    inexact = inexact_one_ofs(canonical, strict_mode=strict_mode)
-    if inexact:
-        warnings.append(_one_of_warning(inexact))
-    text = _canonical_json(canonical)
+    text, warnings, tree = schema_text(schema, config, strict_mode)
     _check_size(text, config, "json")
-    return text, warnings
-
-
-def _one_of_warning(paths: list[str]) -> str:
-    shown = ", ".join(paths[:3])
-    more = f" (+{len(paths) - 3} more)" if len(paths) > 3 else ""
-    return (
-        f"{WarningCode.oneof_as_anyof}: {shown}{more} enforced as anyOf (branches not provably "
-        "disjoint): output matching several branches is accepted"
-    )
-
-
-def _tag_schemas(tag: Any) -> list[tuple[str, Any]]:
-    """(path, schema) of the JSON schemas a structural tag embeds, in order."""
-    found: list[tuple[str, Any]] = []
-    stack: list[tuple[Any, str]] = [(tag, "$")]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") in ("json_schema", "qwen_xml_parameter") and "json_schema" in node:
-                found.append((f"{path}.json_schema", node["json_schema"]))
-                continue
-            stack.extend((v, f"{path}.{k}") for k, v in reversed(node.items()))
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
-    return found
+    return text, warnings, tree
 
 
 def _pick_kind(spec: StructuredOutputSpec) -> str:
@@ -266,15 +189,24 @@ def _pick_kind(spec: StructuredOutputSpec) -> str:
     return given[0]
 
 
-def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig, strict: bool):
-    warnings: list[str] = []
+class _Text(NamedTuple):
+    """What a spec compiles: its kind and text, the warnings on it, and a JSON schema's tree."""
+
+    kind: str
+    text: str
+    warnings: list[str]
+    tree: SchemaTree | None = None
+
+
+def _kind_and_text(
+    spec: StructuredOutputSpec, field: str, config: GrammarConfig, strict: bool
+) -> _Text:
     if field == "json":
-        text, warnings = _json_schema(spec.json, config, strict)
-        return "json", text, warnings
+        return _Text("json", *_json_schema(spec.json, config, strict))
     if field == "json_object":
         if spec.json_object is not True:
             raise SpecError(ErrorCode.spec_json_object_false, "json_object must be true")
-        return "json_object", "", warnings
+        return _Text("json_object", "", [])
     if field == "choice":
         choice = spec.choice or []
         if not choice:
@@ -284,33 +216,20 @@ def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig
                 ErrorCode.spec_too_many_values,
                 f"choice has {len(choice)} options; the limit is {MAX_VALUES}",
             )
-        text = _canonical_json(choice)
+        text = canonical_json(choice)
         _check_size(text, config, "choice")
-        return "choice", text, warnings
+        return _Text("choice", text, [])
     if field == "structural_tag":
         tag = _load_json_value(spec.structural_tag, "structural_tag", config)
         if not isinstance(tag, dict) or not tag:
             raise SpecError(ErrorCode.spec_blank, "structural_tag must be a non-empty JSON object")
-        _, found = walk_schema(tag, max_depth=MAX_DEPTH_STRUCTURAL_TAG)
-        if found.max_depth > MAX_DEPTH_STRUCTURAL_TAG:
-            raise SpecError(
-                ErrorCode.spec_too_deep,
-                f"structural_tag nests {found.max_depth} levels; "
-                f"the limit is {MAX_DEPTH_STRUCTURAL_TAG}",
-            )
         # Embedded schemas compile in strict mode.
-        inexact = [
-            where + p[1:]
-            for where, schema in _tag_schemas(tag)
-            for p in inexact_one_ofs(schema, strict_mode=True)
-        ]
-        if inexact:
-            warnings.append(_one_of_warning(inexact))
+        warnings = tag_warnings(tag)
         # NOTE: key order is kept, not sorted: a structural tag embeds JSON
         # schemas whose `properties` order is the order xgrammar emits.
-        text = _canonical_json(tag)
+        text = canonical_json(tag)
         _check_size(text, config, "structural_tag")
-        return "structural_tag", text, warnings
+        return _Text("structural_tag", text, warnings)
     text = spec.regex if field == "regex" else spec.grammar
     assert text is not None
     _check_size(text, config, field)
@@ -324,11 +243,11 @@ def _kind_and_text(spec: StructuredOutputSpec, field: str, config: GrammarConfig
             ErrorCode.spec_too_deep, f"{field} nests {depth} groups; the limit is {MAX_DEPTH}"
         )
     if field == "regex":
-        return "regex", text, warnings
+        return _Text("regex", text, [])
     syntax = spec.grammar_syntax
     if syntax == "auto":
         syntax = "ebnf" if "::=" in text else "lark"
-    return syntax, text, warnings
+    return _Text(syntax, text, [])
 
 
 def _check_unicode(text: str, field: str) -> None:
@@ -358,8 +277,35 @@ def grammar_key(kind: str, text: str, any_whitespace: bool, strict_mode: bool, v
     return h.digest()
 
 
-def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> GrammarSpec:
-    """Validate a spec and compute its grammar key.
+class TokenBudget(NamedTuple):
+    """A request's token budget, for the unreachable-end bound (``shortest``)."""
+
+    max_tokens: int
+    # The vocabulary's longest token, in bytes.
+    max_token_bytes: int
+
+
+class Admission(NamedTuple):
+    """A validated spec, and whether it can end within the request's budget."""
+
+    spec: GrammarSpec
+    # Why no output fits in the budget (``grammar_unreachable_end``); None
+    # when one may, or when no budget was given.
+    unreachable_end: str | None = None
+
+
+def admit(
+    raw: Any, config: GrammarConfig, *, vocab: str = "", budget: TokenBudget | None = None
+) -> Admission:
+    """Validate a spec, key it and, given a budget, bound it: one pass after another.
+
+    1. **parse** the request: its kind, its options, its value (sized);
+    2. **the text**: for a JSON schema, ``schema.schema_text`` (canonical
+       form, one walk that lints and follows the converter, the verdict);
+       for the other kinds, their own rules;
+    3. **the key** of the text and the compile options;
+    4. **the bound**, with ``budget``: the fewest tokens any output needs
+       (``shortest.unreachable_end``).
 
     Parameters
     ----------
@@ -371,10 +317,13 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
     vocab:
         Vocabulary name, part of the key because compiled grammars are
         vocabulary-specific.
+    budget:
+        The request's ``max_tokens`` and the vocabulary's longest token;
+        ``None`` skips the bound.
 
     Returns
     -------
-    GrammarSpec
+    Admission
 
     Raises
     ------
@@ -390,8 +339,8 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
             strict = spec.disable_additional_properties
         if spec.strict_mode is not None:
             strict = spec.strict_mode
-        kind, text, warnings = _kind_and_text(spec, field, config, strict)
-        _check_unicode(text, field)
+        made = _kind_and_text(spec, field, config, strict)
+        _check_unicode(made.text, field)
     except RecursionError as exc:
         raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
     except (TypeError, ValueError, OverflowError) as exc:
@@ -405,21 +354,26 @@ def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> Gramma
         any_ws = not spec.disable_any_whitespace
     if spec.any_whitespace is not None:
         any_ws = spec.any_whitespace
+    kind, text, warnings = made.kind, made.text, made.warnings
     # Options only matter for JSON; normalizing them elsewhere keeps one key
     # per grammar.
     if kind not in ("json", "json_object"):
         any_ws, strict = True, True
-    key = grammar_key(kind, text, any_ws, strict, vocab)
-    return GrammarSpec(
+    gspec = GrammarSpec(
         kind=kind,
         text=text,
         any_whitespace=any_ws,
         strict_mode=strict,
-        key=key,
+        key=grammar_key(kind, text, any_ws, strict, vocab),
         warnings=tuple(warnings),
-        end_check=kind == "json" and any(w.startswith(_END_CHECKED) for w in warnings),
+        end_check=kind == "json" and any(w.startswith(END_CHECKED) for w in warnings),
     )
+    if budget is None:
+        return Admission(gspec)
+    why = unreachable_end(kind, text, made.tree, budget.max_tokens, budget.max_token_bytes)
+    return Admission(gspec, why)
 
 
-# Warnings whose schema the grammar does not fully enforce: checked at the end.
-_END_CHECKED = (WarningCode.ignored_feature, WarningCode.oneof_as_anyof)
+def validate_spec(raw: Any, config: GrammarConfig, *, vocab: str = "") -> GrammarSpec:
+    """``admit`` without a budget: the validated spec and its key (see ``admit``)."""
+    return admit(raw, config, vocab=vocab).spec

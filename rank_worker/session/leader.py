@@ -37,9 +37,10 @@ from gramcoord.coordinator.groups import HostGroup
 from gramcoord.coordinator.layout import ParallelLayout
 from gramcoord.coordinator.poison_share import PoisonShare
 from gramcoord.coordinator.status import PoisonRecord
-from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.manager import GrammarManager, Lookup
-from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.errors import ErrorCode, SpecError
+from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.outcome import Entry, Lookup, Outcome
+from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.session.followers import NoteSender, stage_wait_s
 from gramcoord.rank_worker.session.types import StepOutcome
 
@@ -220,11 +221,25 @@ class StageLeader:
         caches change only at agreed points), so a host may serve a hit or
         refuse a poisoned key without a ``step``.
         """
-        return self._manager.lookup(spec)
+        gspec = self._validated(spec)
+        if gspec is None:
+            return Lookup(None, None, None)
+        compiled = self._manager.caches.compiled.get(gspec.key)
+        if compiled is not None:
+            return Lookup(gspec.key, compiled, None)
+        return Lookup(gspec.key, None, self._manager.poisoned(Entry(-1, "", gspec, "none")))
 
     def poison(self, spec: Any, code: ErrorCode, message: str) -> bool:
         """Poison ``spec``'s key on this rank (a host's own compile timeout); whether it did."""
-        return self._manager.poison_spec(spec, code, message)
+        gspec = self._validated(spec)
+        return gspec is not None and self._manager.caches.poison_here(gspec.key, code, message)
+
+    def _validated(self, spec: Any) -> GrammarSpec | None:
+        m = self._manager
+        try:
+            return validate_spec(spec, m.config, vocab=m.tokenizer.name)
+        except SpecError:
+            return None
 
     def clear_cache(self) -> None:
         """Drop the compiled grammars (a host's cache flush); poisoned keys stay."""

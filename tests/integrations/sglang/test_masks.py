@@ -241,3 +241,22 @@ def test_sglangs_traverse_tree_over_our_grammar(backends) -> None:
         masks.append(mask)
         assert g.current_token is not None and not g.is_terminated()
     assert torch.equal(masks[0], masks[1])
+
+
+@pytest.mark.parametrize("char", ["\t", "\x01"], ids=["tab", "x01"])
+def test_a_bounded_string_refuses_a_raw_control_character(backends, char) -> None:
+    # SGLang's xgrammar backend lets it into a string with maxLength (xgrammar
+    # 0.2.9); ours compiles the same key with the class of plain strings.
+    ours_b, theirs_b = backends
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}}
+    key = ("json", json.dumps(schema))
+    (ours,) = _grammars(ours_b, [key])
+    (theirs,) = _grammars(theirs_b, [key])
+    tok = host().tokenizer
+    for t in tok.encode('{"s": "a', add_special_tokens=False):
+        ours.accept_token(t)
+        theirs.accept_token(t)
+    (control,) = tok.encode(char, add_special_tokens=False)
+    theirs.accept_token(control)
+    with pytest.raises(ValueError, match="Tokens not accepted"):
+        ours.accept_token(control)

@@ -88,3 +88,26 @@ def test_state_released_after_many_requests(gramcoord_llm) -> None:
     assert backend.num_live == 0
     assert backend.leader.num_live == 0
     assert backend.grammars.num_undecided == 0
+
+
+@pytest.mark.parametrize("char", ["\t", "\x01"], ids=["tab", "x01"])
+def test_a_bounded_string_refuses_a_raw_control_character(gramcoord_llm, char) -> None:
+    import xgrammar as xgr
+
+    from gramcoord.rank_worker.config import GrammarConfig
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+
+    # xgrammar 0.2.8 (vLLM's pin) lets it into a string with maxLength; the
+    # plugin compiles through vLLM's own call, with the class of plain strings.
+    _run(gramcoord_llm, [_params({"type": "integer"}, max_tokens=2)])  # the backend exists
+    backend = engine_backend(gramcoord_llm)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8}}}
+    spec = validate_spec({"json": schema}, GrammarConfig())
+    ours = xgr.GrammarMatcher(backend._compile_spec(spec))
+    theirs = xgr.GrammarMatcher(backend.host.compiler._compiler.compile_json_schema(spec.text))
+    tokenizer = gramcoord_llm.get_tokenizer()
+    for token in tokenizer.encode('{"s": "a', add_special_tokens=False):
+        assert ours.accept_token(token) and theirs.accept_token(token)
+    (control,) = tokenizer.encode(char, add_special_tokens=False)
+    assert theirs.accept_token(control)
+    assert not ours.accept_token(control)

@@ -24,12 +24,19 @@ import xgrammar as xgr
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
 from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend, compile_error_message
-from gramcoord.rank_worker.grammars.schema_lint import walk_schema
-from gramcoord.rank_worker.grammars.schema_reach import inexact_one_ofs
+from gramcoord.rank_worker.grammars.schema_tree import canonical_tree
+from gramcoord.rank_worker.grammars.schema_walk import walk
 from gramcoord.rank_worker.grammars.spec import validate_spec
 from gramcoord.rank_worker.native_log import native_log_path
 
 ONE_OF_WARNING = "falling back to anyOf semantics"
+
+
+def inexact_one_ofs(schema, *, strict_mode=True) -> list[str]:
+    """The walk's ``oneOf`` paths xgrammar relaxes to ``anyOf``."""
+    return walk(canonical_tree(schema, max_depth=1 << 20), strict_mode=strict_mode).inexact_one_ofs
+
+
 # A log prefix, a timestamp or a build path: none may survive cleaning.
 NATIVE_TRACE = re.compile(r"\[\d{2}:\d{2}:\d{2}\]|/project/|\.cc:\d+")
 
@@ -315,9 +322,10 @@ def test_one_of_prediction_matches_xgrammar_on_dev_schemas(capfd, dev_schemas, s
     for rec in dev_schemas:
         if rec.get("kind") != "json_schema" or rec["label"].get("status") != "ok":
             continue
-        canonical, _ = walk_schema(rec["schema"], max_depth=1 << 20)
-        warned = _xgrammar_one_of_warnings(capfd, canonical, strict) > 0
-        assert bool(inexact_one_ofs(canonical, strict_mode=strict)) is warned, rec["id"]
+        tree = canonical_tree(rec["schema"], max_depth=1 << 20)
+        found = walk(tree, strict_mode=strict)
+        warned = _xgrammar_one_of_warnings(capfd, tree.root, strict) > 0
+        assert bool(found.inexact_one_ofs) is warned, rec["id"]
         checked += 1
         relaxed += warned
     # The repo subset (tests/data) has 69 such schemas, 3 of them relaxed.
@@ -397,7 +405,7 @@ def test_integer_multiple_of_dropped_by_xgrammar(capfd, extra, ignored):
     xgr.Grammar.from_json_schema(json.dumps(schema))
     native = "ignoring multipleOf" in capfd.readouterr().err
     assert native is (ignored or extra["multipleOf"] == 1)
-    _, found = walk_schema(schema, max_depth=64)
+    found = walk(canonical_tree(schema, max_depth=64), strict_mode=True)
     assert bool(found.ignored) is ignored
 
 

@@ -17,8 +17,15 @@ import xgrammar as xgr
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
 from gramcoord.rank_worker.grammars.schema_lint import SUPPORTED_FORMATS
-from gramcoord.rank_worker.grammars.schema_reach import unenforced_required
+from gramcoord.rank_worker.grammars.schema_tree import canonical_tree
+from gramcoord.rank_worker.grammars.schema_walk import walk
 from gramcoord.rank_worker.grammars.spec import validate_spec
+
+
+def unenforced_required(schema, *, strict_mode=True) -> list[tuple[str, str]]:
+    """The walk's ``required`` names xgrammar drops: (path, message)."""
+    return walk(canonical_tree(schema, max_depth=1 << 20), strict_mode=strict_mode).dropped_required
+
 
 TWO = {"foo": {"type": "integer"}, "bar": {"type": "integer"}}
 PAIR = {"type": "object", "properties": TWO}

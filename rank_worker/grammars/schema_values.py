@@ -1,21 +1,27 @@
-"""Which ``oneOf`` nodes xgrammar 0.2.9 enforces exactly.
+"""JSON values as xgrammar 0.2.9 compares them, and which ``oneOf`` nodes it enforces exactly.
 
-xgrammar enforces ``oneOf`` exactly only when it can prove the branches
-pairwise disjoint; otherwise it logs a C++ warning ("oneOf with overlapping
-or non-provably-disjoint branches ...") and compiles the node as ``anyOf``.
-``one_of_is_exact`` decides that in Python, so ``schema_reach`` can put the
-warning on the request (``oneof_as_anyof``) identically on every rank.
-Measured on 0.2.9 (tests/rank_worker/grammars/test_native_output.py re-checks it
-against the library):
+Helpers below the walk: ``schema_walk`` asks ``one_of_is_exact`` of every
+``oneOf`` the converter parses, and ``schema_lint`` uses ``is_num``. Nothing
+here calls another module of the project.
 
-- A branch set is proven disjoint when (a) every branch is a plain type
-  test (``type`` plus annotation keywords, no ``object`` type) or a finite
-  value set (``const``/``enum``), and no two branches can share a value; or
-  (b) every branch is ``"type": "object"`` and requires one property, chosen
-  among the first branch's required properties, whose value is a
-  ``const``/``enum``, with no value shared between branches.
-- Numbers: two integer literals overlap only when equal; any other pair of
-  numbers is assumed to overlap (``1`` and ``1.0``, ``1.5`` and ``2.5``).
+- ``is_num`` / ``is_int64``: a JSON number, and one the C++ JSON reader keeps
+  as an integer.
+- ``one_of_is_exact``: xgrammar enforces ``oneOf`` exactly only when it can
+  prove the branches pairwise disjoint; otherwise it logs a C++ warning
+  ("oneOf with overlapping or non-provably-disjoint branches ...") and
+  compiles the node as ``anyOf``. Decided here in Python, so the walk can
+  put the warning on the request (``oneof_as_anyof``) identically on every
+  rank. Measured on 0.2.9 (tests/rank_worker/grammars/test_native_output.py
+  re-checks it against the library):
+
+  - A branch set is proven disjoint when (a) every branch is a plain type
+    test (``type`` plus annotation keywords, no ``object`` type) or a
+    finite value set (``const``/``enum``), and no two branches can share a
+    value; or (b) every branch is ``"type": "object"`` and requires one
+    property, chosen among the first branch's required properties, whose
+    value is a ``const``/``enum``, with no value shared between branches.
+  - Numbers: two integer literals overlap only when equal; any other pair
+    of numbers is assumed to overlap (``1`` and ``1.0``, ``1.5`` and ``2.5``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gramcoord.rank_worker.grammars.schema_lint import is_int64, is_num
+
+def is_num(v: Any) -> bool:
+    """A JSON number (``bool`` is not one)."""
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def is_int64(v: Any) -> bool:
+    """An integer the C++ JSON reader keeps as one (within int64); every other number is a double."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
 
 _ANNOTATIONS = frozenset(
     {

@@ -1,0 +1,146 @@
+"""One JSON Schema from its parsed value to the text that is compiled, and the verdict on it.
+
+``spec.admit`` calls ``schema_text`` for a ``json`` spec (and
+``tag_warnings`` for the schemas a structural tag embeds), after parsing
+and sizing the request's value. The passes run forward, each once:
+
+1. **canonical** (``schema_tree.canonical_tree``): the sorted copy, the
+   facts of its tree, its depth and longest list;
+2. **one walk** (``schema_walk.walk``): the lint of features xgrammar would
+   not enforce, the rewrites into what it enforces exactly (integral-float
+   counts, ``enum`` / ``const`` values filtered by the keywords beside
+   them), and what its converter reaches with this request's
+   ``strict_mode`` (``required`` names it drops, ``oneOf`` it relaxes);
+3. **verdict**: refuse with a code, or admit with warnings; a warning that
+   the grammar does not enforce all of the schema makes the finished output
+   end-checked (``GrammarSpec.end_check``);
+4. the canonical text, which the caller sizes, keys and bounds.
+
+A new rule belongs to exactly one of these passes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
+from gramcoord.rank_worker.grammars.schema_lint import JSON_TYPES
+from gramcoord.rank_worker.grammars.schema_tree import SchemaTree, canonical_tree
+from gramcoord.rank_worker.grammars.schema_walk import walk
+
+MAX_DEPTH = 64
+MAX_DEPTH_STRUCTURAL_TAG = 80
+# Enum / choice / required lists longer than this are hostile, not real.
+MAX_VALUES = 10_000
+
+# Warnings whose schema the grammar does not fully enforce: checked at the end.
+END_CHECKED = (WarningCode.ignored_feature, WarningCode.oneof_as_anyof)
+
+
+def canonical_json(value: Any) -> str:
+    """JSON text as it is keyed and compiled: no spaces, Unicode as written, no NaN."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def schema_text(
+    schema: dict, config: GrammarConfig, strict_mode: bool
+) -> tuple[str, list[str], SchemaTree]:
+    """The canonical text of ``schema``, its warnings, and its tree (for the bound).
+
+    Raises
+    ------
+    SpecError
+        Too deep, a list too long, a ``type`` naming no type, a local
+        ``$ref`` that does not resolve, or (with
+        ``grammar.reject_ignored_features``) a feature xgrammar would not
+        enforce.
+    """
+    tree = canonical_tree(schema, max_depth=MAX_DEPTH)
+    if tree.max_depth > MAX_DEPTH:
+        raise SpecError(
+            ErrorCode.spec_too_deep,
+            f"json schema nests {tree.max_depth} levels; the limit is {MAX_DEPTH}",
+        )
+    if tree.max_values > MAX_VALUES:
+        raise SpecError(
+            ErrorCode.spec_too_many_values,
+            f"json schema has a list of {tree.max_values} values; the limit is {MAX_VALUES}",
+        )
+    found = walk(tree, strict_mode=strict_mode)
+    if found.bad_types:
+        path, value = found.bad_types[0]
+        raise SpecError(
+            ErrorCode.spec_bad_json,
+            f"json schema: {path}: {json.dumps(value)} is not a JSON Schema type; "
+            f"use one of {', '.join(JSON_TYPES)} (or a list of them)",
+        )
+    if found.broken_refs:
+        path, ref = found.broken_refs[0]
+        raise SpecError(ErrorCode.spec_bad_json, f"$ref {ref!r} at {path} does not resolve")
+    warnings: list[str] = []
+    ignored = found.ignored + found.dropped_required
+    if ignored:
+        detail = "; ".join(f"{p}: {m}" for p, m in ignored[:5])
+        more = f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else ""
+        if config.reject_ignored_features:
+            raise SpecError(
+                ErrorCode.schema_unsupported_feature,
+                f"xgrammar would not enforce: {detail}{more}. Remove these keywords, or set "
+                "grammar.reject_ignored_features=false to accept them unenforced",
+            )
+        warnings.append(f"{WarningCode.ignored_feature}: {detail}{more}")
+    if found.remote_refs:
+        refs = ", ".join(f"{r!r} at {p}" for p, r in found.remote_refs[:3])
+        warnings.append(f"{WarningCode.unconstrained_ref}: {refs} not resolvable locally")
+    if found.inexact_one_ofs:
+        warnings.append(_one_of_warning(found.inexact_one_ofs))
+    return canonical_json(tree.root), warnings, tree
+
+
+def tag_warnings(tag: dict) -> list[str]:
+    """Warnings for the JSON schemas a structural tag embeds (compiled as written, strict).
+
+    Raises
+    ------
+    SpecError
+        The tag nests too deeply.
+    """
+    depth = canonical_tree(tag, max_depth=MAX_DEPTH_STRUCTURAL_TAG, sort=False).max_depth
+    if depth > MAX_DEPTH_STRUCTURAL_TAG:
+        raise SpecError(
+            ErrorCode.spec_too_deep,
+            f"structural_tag nests {depth} levels; the limit is {MAX_DEPTH_STRUCTURAL_TAG}",
+        )
+    inexact: list[str] = []
+    for where, schema in _tag_schemas(tag):
+        tree = canonical_tree(schema, max_depth=MAX_DEPTH_STRUCTURAL_TAG, sort=False)
+        found = walk(tree, strict_mode=True, lint=False)
+        inexact.extend(where + p[1:] for p in found.inexact_one_ofs)
+    return [_one_of_warning(inexact)] if inexact else []
+
+
+def _one_of_warning(paths: list[str]) -> str:
+    shown = ", ".join(paths[:3])
+    more = f" (+{len(paths) - 3} more)" if len(paths) > 3 else ""
+    return (
+        f"{WarningCode.oneof_as_anyof}: {shown}{more} enforced as anyOf (branches not provably "
+        "disjoint): output matching several branches is accepted"
+    )
+
+
+def _tag_schemas(tag: Any) -> list[tuple[str, Any]]:
+    """(path, schema) of the JSON schemas a structural tag embeds, in order."""
+    found: list[tuple[str, Any]] = []
+    stack: list[tuple[Any, str]] = [(tag, "$")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") in ("json_schema", "qwen_xml_parameter") and "json_schema" in node:
+                found.append((f"{path}.json_schema", node["json_schema"]))
+                continue
+            stack.extend((v, f"{path}.{k}") for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
+    return found
