@@ -179,13 +179,15 @@ def _accepted(schema: Any) -> bool:
         has_xgrammar_unsupported_json_features,
     )
 
-    from gramcoord.rank_worker.config import GrammarConfig
+    from gramcoord.integrations.vllm.backend import grammar_config
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
     if not isinstance(schema, dict) or has_xgrammar_unsupported_json_features(schema):
         return False
     try:
-        validate_spec({"json": schema}, GrammarConfig())
+        # The plugin's own front-end rules (it refuses what xgrammar would
+        # not enforce).
+        validate_spec({"json": schema}, grammar_config(False))
     except Exception:
         return False
     return True
