@@ -13,6 +13,7 @@ here is vLLM's: its compile calls, its grammar objects, its call sites.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -109,6 +110,12 @@ class GrammarInitError(RuntimeError):
         super().__init__(f"gramcoord: request {request_id!r}: {code}: {message}")
         self.request_id = request_id
         self.code = code
+
+
+@functools.cache
+def front_end_config(disable_any_whitespace: bool) -> GrammarConfig:
+    """The config vLLM's front end validates every request with (made once per option)."""
+    return grammar_config(disable_any_whitespace)
 
 
 def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[str, Any]:

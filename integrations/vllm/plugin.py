@@ -128,7 +128,7 @@ def _wrap_validation() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from gramcoord.integrations.vllm.backend import grammar_config
+    from gramcoord.integrations.vllm.backend import front_end_config
     from gramcoord.rank_worker.errors import SpecError
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
@@ -154,7 +154,7 @@ def _wrap_validation() -> None:
             for f in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
             if getattr(so, f) is not None
         }
-        config = grammar_config(structured_outputs_config.disable_any_whitespace)
+        config = front_end_config(bool(structured_outputs_config.disable_any_whitespace))
         try:
             validate_spec(spec, config)
         except SpecError as exc:
