@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -79,6 +80,10 @@ class GroupCalls:
         self._closed = False
         # Every rank's host name, where a two-level agreement needs them.
         self.hosts: tuple[str, ...] = ()
+        # Calls made inside steps, by "operation: kind": "blocking" (waited
+        # for at once), "posted" (settled later) or "send"; summary.json
+        # reads them.
+        self.calls: Counter[str] = Counter()
 
     def members(self, group: str) -> tuple[int, ...]:
         """The ranks of this rank's group ``group``; empty if none."""
@@ -108,6 +113,10 @@ class GroupCalls:
         """
         entry = self._groups.get(group)
         return entry[0] if entry else None
+
+    def _count(self, operation: str, kind: str, step: int) -> None:
+        if step >= 0:  # start-up exchanges are not a step's
+            self.calls[f"{operation}: {kind}"] += 1
 
     # -- for subclasses --------------------------------------------------------
 
@@ -192,6 +201,7 @@ class GroupCalls:
         member must post the same calls in the same order, as always.
         """
         pg, ranks = self._group(group)
+        self._count(operation, "posted", step)
         n, size = len(ranks), row.size
         send = torch.from_numpy(np.tile(np.asarray(row, dtype=np.int64), n))
         recv = torch.empty(n * size, dtype=torch.int64)
@@ -209,6 +219,7 @@ class GroupCalls:
         all_gather walks a ring of ``members - 1`` rounds.
         """
         pg, ranks = self._group(group)
+        self._count(operation, "blocking", step)
         n, size = len(ranks), row.size
         send, recv = self._pair(group, n, size)
         send.numpy().reshape(n, size)[:] = row
@@ -224,6 +235,7 @@ class GroupCalls:
     ) -> np.ndarray:
         """Element-wise ``op`` of every member's ``row``."""
         pg, _ = self._group(group)
+        self._count(operation, "blocking", step)
         t = torch.from_numpy(np.array(row, dtype=np.int64))
         try:
             work = dist.all_reduce(t, op=_REDUCE_OPS[op], group=pg, async_op=True)
@@ -237,6 +249,7 @@ class GroupCalls:
     ) -> np.ndarray | None:
         """Every member's ``row`` as int64[members, len(row)] on rank ``dst``; None elsewhere."""
         pg, ranks = self._group(group)
+        self._count(operation, "blocking", step)
         n, size = len(ranks), row.size
         t = torch.from_numpy(np.array(row, dtype=np.int64))
         out = self._pair(group, n, size)[1] if self.rank == dst else None
@@ -253,6 +266,7 @@ class GroupCalls:
     ) -> np.ndarray:
         """Rank ``src``'s ``buf`` on every member, written into ``buf`` (contiguous int64)."""
         pg, _ = self._group(group)
+        self._count(operation, "blocking", step)
         try:
             work = dist.broadcast(
                 torch.from_numpy(buf), self._peer(pg, src), group=pg, async_op=True
@@ -278,6 +292,7 @@ class GroupCalls:
         """
         self.drain(operation=operation, step=step)
         pg, _ = self._group(group)
+        self._count(operation, "send", step)
         t = torch.from_numpy(np.array(payload, dtype=np.int64))
         try:
             work = dist.isend(t, dst=self._peer(pg, dst), group=pg, tag=tag)
@@ -293,6 +308,7 @@ class GroupCalls:
         ``out`` may be longer than the message: gloo fills its prefix.
         """
         pg, _ = self._group(group)
+        self._count(operation, "blocking", step)
         t = torch.from_numpy(out)
         try:
             work = dist.irecv(t, src=self._peer(pg, src), group=pg, tag=tag)

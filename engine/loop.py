@@ -61,6 +61,8 @@ class RankReport(msgspec.Struct, kw_only=True):
     stats: SessionStats | None = None
     timings: dict[str, list[float]] = msgspec.field(default_factory=dict)
     bytes_sent: int = 0
+    # Control-group calls made, by "operation: kind" (coordinator.groups).
+    calls: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def replica_requests(
@@ -181,6 +183,7 @@ def run_loop(
         stats=session.stats,
         timings=timings.export(),
         bytes_sent=link.bytes_sent if link is not None else 0,
+        calls=dict(session.runtime.calls) if session.runtime is not None else {},
     )
 
 

@@ -79,6 +79,11 @@ class Summary(msgspec.Struct, kw_only=True):
     config: dict[str, Any]
     # Seconds in the step loop (the slowest rank's).
     loop_s: float = 0.0
+    # Control-group calls per step, by role ("stage-0 leader", "later stage
+    # leader", "TP worker") and "operation: kind" (kind: "blocking", waited
+    # for at once; "posted", settled steps later; "send"), averaged over the
+    # ranks of the role: where a step can wait.
+    calls_per_step: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     # Filled by ``gramcoord run`` once every rank exited (launch/resources.py):
     # RSS at warm-up and at the end, threads left, leaked /dev/shm entries
     # and leftover processes.
@@ -135,6 +140,29 @@ def _compare_replicas(origins: Sequence[RankReport], det: Determinism) -> None:
 
 def _samples(reports: Sequence[RankReport], name: str) -> list[float]:
     return [x for r in reports for x in r.timings.get(name, ())]
+
+
+def role_of(coords: tuple[int, int, int]) -> str:
+    """The step-loop role of a rank at ``(dp, pp, tp)``."""
+    if coords[2] > 0:
+        return "TP worker"
+    return "stage-0 leader" if coords[1] == 0 else "later stage leader"
+
+
+def calls_per_step(reports: Sequence[RankReport]) -> dict[str, dict[str, float]]:
+    """Each role's control-group calls per step, averaged over its ranks."""
+    by_role: dict[str, list[RankReport]] = defaultdict(list)
+    for r in reports:
+        if r.calls:
+            by_role[role_of(r.coords)].append(r)
+    out: dict[str, dict[str, float]] = {}
+    for role, reps in sorted(by_role.items()):
+        total: Counter[str] = Counter()
+        for r in reps:
+            for name, n in r.calls.items():
+                total[name] += n / max(r.steps, 1)
+        out[role] = {k: round(v / len(reps), 3) for k, v in sorted(total.items())}
+    return out
 
 
 def merge(
@@ -215,6 +243,7 @@ def merge(
         wall_s=round(wall_s, 3),
         config=config,
         loop_s=max((r.wall_s for r in reports), default=0.0),
+        calls_per_step=calls_per_step(reports),
         journal={
             "carried": len(prior.outputs),
             "attempts_before": prior.attempts,

@@ -109,6 +109,12 @@ def test_verify_torchrun_dp2_tp2(tmp_path, small_workload, capfd):
     assert det["rows_compared"] == _all_rows(tmp_path / "topology") > 0
     # torchrun's agent and worker logs are kept with the run.
     assert (tmp_path / "topology" / "logs" / "torchrun" / "agent.log").is_file()
+    # Partitioned replicas, pp = 1: a stage-0 leader never waits inside a
+    # step (the poison exchange is posted); a TP worker waits for its frame.
+    calls = summary["calls_per_step"]
+    assert not any(k.endswith(": blocking") for k in calls["stage-0 leader"]), calls
+    assert calls["stage-0 leader"]["poison: posted"] == 1.0, calls
+    assert calls["TP worker"]["batch frame: blocking"] == 1.0, calls
 
 
 # -- 2. pipeline parallel -------------------------------------------------------
@@ -123,6 +129,17 @@ def test_verify_torchrun_pp2_tp2(tmp_path, small_workload, capfd):
     parallel = summary["config"]["parallel"]
     assert (parallel["pp"], parallel["tp"]) == (2, 2)
     det = summary["determinism"]
+    # The chain: the later stage waits for the arrivals, the decision and
+    # the frame; stage 0 for the results.
+    calls = summary["calls_per_step"]
+    for op in ("arrivals", "pp_chain recv", "batch frame"):
+        assert calls["later stage leader"][f"{op}: blocking"] == 1.0, calls
+    assert calls["stage-0 leader"] == {
+        "arrivals: send": 1.0,
+        "batch frame: send": 2.0,
+        "pp_chain send: send": 1.0,
+        "step results: blocking": 1.0,
+    }, calls
     # The last stage's two TP ranks apply (and cross-check) every mask.
     assert det["ranks_compared"] == 2 and det["steps_compared"] > 0
     assert det["rows_compared"] == _all_rows(tmp_path / "topology") > 0
