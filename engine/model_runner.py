@@ -34,10 +34,10 @@ from gramcoord.engine.messages import BatchFrame, StepResults, TokenResult
 from gramcoord.engine.models import LogitsSource, ModelRequest
 from gramcoord.engine.sampler import Sampler
 from gramcoord.engine.timings import Timings
-from gramcoord.engine.tp_check import TpCheck
-from gramcoord.rank_worker.errors import GrammarError
+from gramcoord.rank_worker.errors import DeterminismError, GrammarError
 from gramcoord.rank_worker.masks.jump_forward import retokenize_plan
 from gramcoord.rank_worker.session.session import MaskBatch, RankSession
+from gramcoord.rank_worker.session.tp_check import TpCheck, TpMismatch
 
 # Mask rows from which the build runs on a thread while the logits are
 # computed; below, inline before them (``gramcoord bench step``, docs/performance.md).
@@ -116,7 +116,17 @@ class ModelRunner:
     def settle_tp_check(self) -> None:
         """Wait for the last TP check (the loop calls it after its last step)."""
         if self._tp_check is not None:
-            self._tp_check.settle()
+            self._raise(self._tp_check.settle())
+
+    def _raise(self, found: TpMismatch | None) -> None:
+        """A TP rank masked or sampled differently: the run ends (exit status 3)."""
+        if found is not None:
+            raise DeterminismError(
+                f"[rank {self.session.rank}] {found.describe(self._tp_check.first)}",
+                ranks=found.ranks,
+                request_id=found.request_id,
+                position=found.position,
+            )
 
     # -- one step ---------------------------------------------------------------
 
@@ -264,7 +274,8 @@ class ModelRunner:
             keys.extend((s.request_id, base + i) for i in range(len(s.drafts) + 1))
         picks = self.sampler.sample(logits, keys)
         if self._tp_check is not None:
-            self._tp_check.add(step, picks, step_digest, self._row_positions(runnable, row_digests))
+            positions = self._row_positions(runnable, row_digests)
+            self._raise(self._tp_check.add(step, step_digest, positions, picks))
         return picks, row_digests
 
     def _row_positions(self, runnable, row_digests) -> list[tuple[str, int, int]]:
