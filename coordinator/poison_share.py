@@ -10,8 +10,9 @@ therefore never waits for its peers inside a step unless it runs more than
 ``lag`` steps ahead of the slowest one.
 
 A row is ``[step, records, clock ms, busy, record words...]``: up to
-``max_records_per_step`` records of 4 int64 words (the 16-byte key as two
-little-endian words, the reason code, the clock). Records beyond the cap
+``max_records_per_step`` records of ``RECORD_WORDS`` int64 words (the
+16-byte key as two little-endian words, the reason code, the clock, then
+the message: up to ``MESSAGE_BYTES`` of UTF-8, zero-padded). Records beyond the cap
 wait in order for the next posts; none is dropped. ``busy`` is the
 end-of-run vote: 1 or 0, or -1 when the member does not vote (a later
 pipeline stage, which learns of the end from stage 0's frame).
@@ -43,14 +44,21 @@ from gramcoord.coordinator.status import PoisonRecord
 
 logger = logging.getLogger(__name__)
 
-RECORD_WORDS = 4
+# A record's message travels in this many bytes (cut at a character).
+MESSAGE_BYTES = 256
+RECORD_WORDS = 4 + MESSAGE_BYTES // 8
 KEY_BYTES = 16
 HEADER_WORDS = 4  # step, records, clock ms, busy
 NO_VOTE = -1
 
 
+def _message_bytes(message: str) -> bytes:
+    data = message.encode("utf-8", "replace")[:MESSAGE_BYTES]
+    return data.decode("utf-8", "ignore").encode("utf-8")  # never half a character
+
+
 def pack_records(records: Sequence[PoisonRecord], out: np.ndarray | None = None) -> np.ndarray:
-    """Records -> int64[len(records) * 4] (or into ``out``, padded with zeros)."""
+    """Records -> int64[len(records) * RECORD_WORDS] (or into ``out``, padded with zeros)."""
     if out is None:
         out = np.zeros(len(records) * RECORD_WORDS, dtype=np.int64)
     else:
@@ -64,14 +72,21 @@ def pack_records(records: Sequence[PoisonRecord], out: np.ndarray | None = None)
         view[i, :2] = np.frombuffer(rec.key, dtype="<i8")
         view[i, 2] = rec.reason
         view[i, 3] = rec.clock_ms
+        text = _message_bytes(rec.message)
+        view[i, 4:].view(np.uint8)[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     return out
 
 
 def unpack_records(words: np.ndarray) -> list[PoisonRecord]:
-    """int64[n * 4] -> records; all-zero slots (padding) are skipped."""
+    """int64[n * RECORD_WORDS] -> records; all-zero slots (padding) are skipped."""
     view = np.ascontiguousarray(words, dtype=np.int64).reshape(-1, RECORD_WORDS)
     return [
-        PoisonRecord(key=row[:2].astype("<i8").tobytes(), reason=int(row[2]), clock_ms=int(row[3]))
+        PoisonRecord(
+            key=row[:2].astype("<i8").tobytes(),
+            reason=int(row[2]),
+            clock_ms=int(row[3]),
+            message=row[4:].tobytes().rstrip(b"\0").decode("utf-8", "replace"),
+        )
         for row in view
         if row[2] != 0
     ]

@@ -87,6 +87,10 @@ class PoisonRecord(msgspec.Struct, frozen=True, array_like=True):
     reason: int
     # Agreed clock at which the failure was decided.
     clock_ms: int
+    # Why it failed, as the rank that learnt it says it (at most
+    # ``poison_share.MESSAGE_BYTES`` of UTF-8 travel): every replica that
+    # meets the key again fails it with this text.
+    message: str = ""
 
 
 def decide_alone(step: int, status: LocalStatus, clock_ms: int) -> Decision:

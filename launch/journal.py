@@ -288,7 +288,7 @@ def carried_poison(
             continue
         if key not in seen:
             seen.add(key)
-            out.append(PoisonRecord(key, int(ErrorCode.grammar_invalid), 0))
+            out.append(PoisonRecord(key, int(ErrorCode.grammar_invalid), 0, err.message))
     return out
 
 

@@ -181,7 +181,7 @@ class GrammarCaches:
             return
         self.poison.poison(key, kind, reason, message, self.agreed_ms)
         if share:
-            self._new.append(PoisonRecord(key, reason, self.agreed_ms))
+            self._new.append(PoisonRecord(key, reason, self.agreed_ms, message))
 
     def poison_here(self, key: bytes, code: ErrorCode, message: str) -> bool:
         """Poison ``key`` at the agreed clock without sharing it; whether its code poisons."""
@@ -200,7 +200,9 @@ class GrammarCaches:
         for r in records:
             kind = POISON_KIND.get(r.reason)
             if kind is not None:
-                msg = f"{ErrorCode.name_of(r.reason)} (on another replica, or an earlier attempt)"
+                # The text of the rank that learnt it: a replica that meets
+                # the key fails it exactly as that rank did.
+                msg = r.message or f"{ErrorCode.name_of(r.reason)} (on another replica)"
                 self.poison.poison(r.key, kind, r.reason, msg, r.clock_ms)
 
     def clear_compiled(self) -> None:

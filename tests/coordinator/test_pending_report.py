@@ -7,7 +7,12 @@ import pytest
 
 from gramcoord.coordinator.pending_report import GatherCodec, ReduceCodec, fingerprint, window_of
 from gramcoord.coordinator.pipeline import DecisionCodec
-from gramcoord.coordinator.poison_share import pack_records, unpack_records
+from gramcoord.coordinator.poison_share import (
+    MESSAGE_BYTES,
+    RECORD_WORDS,
+    pack_records,
+    unpack_records,
+)
 from gramcoord.coordinator.status import Decision, LocalStatus, PendingState, PoisonRecord
 
 
@@ -113,12 +118,19 @@ def test_decision_round_trip(decision):
 
 
 def test_poison_record_round_trip_and_checks():
-    recs = [PoisonRecord(bytes(range(16)), 21, 123), PoisonRecord(b"\xff" * 16, 20, 0)]
+    recs = [
+        PoisonRecord(bytes(range(16)), 21, 123, "compile ran past grammar.compile_timeout_s=2s"),
+        PoisonRecord(b"\xff" * 16, 20, 0),
+    ]
     words = pack_records(recs)
-    assert words.dtype == np.int64 and words.size == 8
+    assert words.dtype == np.int64 and words.size == 2 * RECORD_WORDS
     assert unpack_records(words) == recs
-    padded = pack_records(recs, np.zeros(16, dtype=np.int64))
+    padded = pack_records(recs, np.zeros(3 * RECORD_WORDS, dtype=np.int64))
     assert unpack_records(padded) == recs
+    # A long message travels cut at a character, never half of one.
+    long = PoisonRecord(bytes(16), 20, 0, "é" * MESSAGE_BYTES)
+    (got,) = unpack_records(pack_records([long]))
+    assert got.message == "é" * (MESSAGE_BYTES // 2)
     with pytest.raises(ValueError, match="16 bytes"):
         pack_records([PoisonRecord(b"short", 1, 0)])
     with pytest.raises(ValueError, match=">= 1"):

@@ -46,6 +46,7 @@ def host_exchange_body(rank: int, world: int) -> dict:
             "status": again.status,
             "code": again.code,
             "cache": again.cache,
+            "message": again.message,
         }
     finally:
         session.close()

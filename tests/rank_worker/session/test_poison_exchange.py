@@ -19,3 +19,6 @@ def test_host_exchange_shares_poison_between_replicas_stepping_apart():
     # Rank 0 never saw the spec before the exchange; now it fails at once.
     for r in results:
         assert (r["status"], r["code"], r["cache"]) == ("failed", "grammar_invalid", "poisoned")
+    # With the message of the replica that learnt it (the compiler's own words).
+    assert results[0]["message"] == results[1]["message"], results
+    assert "undefined_rule" in results[0]["message"], results
