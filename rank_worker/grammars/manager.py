@@ -218,15 +218,18 @@ class GrammarManager:
             keys=tuple(e.spec.key for e in entries),
         )
 
-    def step(self, step: int = 0, *, clock_ms: int | None = None) -> list[Outcome]:
+    def step(
+        self, step: int = 0, *, clock_ms: int | None = None, keep_failures: bool = False
+    ) -> list[Outcome]:
         """Single-process admission: decide alone on the local status, apply it.
 
-        ``clock_ms`` is the agreed clock to decide TTLs with; the wall clock
-        (``coordinator.wall_clock_ms``) by default.
+        ``clock_ms`` is the clock to decide TTLs with (the wall clock by
+        default). New poison is dropped (no peers) unless ``keep_failures``.
         """
         clock = wall_clock_ms() if clock_ms is None else clock_ms
         out = self.apply_decision(decide_alone(step, self.local_status(), clock))
-        self.caches.new_failures()  # no peers to share new poison with
+        if not keep_failures:
+            self.caches.new_failures()
         return out
 
     def apply_decision(self, decision: Decision) -> list[Outcome]:

@@ -4,22 +4,15 @@
 (``session.leader``): gramcoord's own engine, Hugging Face ``generate``,
 and the vLLM and SGLang adapters (``StageLeader.for_host``, over their
 engine's process group). It owns the rank's ``GrammarManager`` and, in a
-multi-rank world, the ``Coordinator`` that drives it (the one agreement);
-the manager is the coordinator's ``Member`` itself. What happens in
-``step`` depends on the stage:
-
-- a **decider** (stage 0, or every stage with ``pp_sync: collective``)
-  posts the poison exchange, agrees on readiness with its peers, sends the
-  decision down the chain and applies it;
-- a **later stage** (``pp_sync: chain``) applies stage 0's decision as it
-  is, waiting for its own compiles up to ``stage_wait_s`` (the follower
-  wait, one rule in ``grammars.manager``); what is still not compiled then
-  fails on this stage alone and comes back in ``StepOutcome.stage_failed``.
-
-A leader whose TP workers run schedulers of their own (``parallel.
-tp_followers``) sends them a ``FollowerNote`` after every step. Hosts whose
-scheduler waits on a ``Future`` per request wrap the leader in
-``session.futures.GrammarFutures``.
+multi-rank world, the ``Coordinator`` that drives it (the one agreement).
+In ``step`` a **decider** (stage 0, or every stage with ``pp_sync:
+collective``) posts the poison exchange, agrees with its peers, sends the
+decision down the chain and applies it; a **later stage** applies stage 0's
+decision, waiting for its own compiles up to ``followers.stage_wait_s``
+(what is still not compiled fails here alone: ``StepOutcome.stage_failed``).
+Hosts whose scheduler waits on a ``Future`` wrap the leader in
+``futures.GrammarFutures``; replicas that share poison at the host's own
+sync point attach it to ``replicas.ReplicaPoison``.
 """
 
 from __future__ import annotations
@@ -79,6 +72,9 @@ class StageLeader:
         self._on_admitted = on_admitted
         self._on_end = on_end
         self._notes = notes
+        # Where this rank's new poison goes when it decides alone
+        # (``share_failures``); dropped without one.
+        self._share: Callable[[list[PoisonRecord]], None] | None = None
 
     @classmethod
     def build(
@@ -186,20 +182,15 @@ class StageLeader:
 
     @property
     def undecided(self) -> int:
-        """Requests submitted and not yet decided (pending or waiting); SGLang's
-        ``has_waiting_grammars`` asks this before its per-step sync."""
+        """Requests submitted and not yet decided (pending or waiting)."""
         return self._manager.num_pending + self._manager.num_waiting
 
     def release(self, request_id: str) -> bool:
         """The request ended (finished, aborted or failed): drop it wherever it is.
 
         Call it on every rank of the group at the same point. Unknown ids
-        are ignored; the compiled grammar stays in the cache.
-
-        Returns
-        -------
-        bool
-            Whether the request was live here.
+        are ignored; the compiled grammar stays in the cache. Returns
+        whether the request was live here.
         """
         if self._on_end is not None:
             self._on_end(request_id)
@@ -301,7 +292,9 @@ class StageLeader:
         coordinator = self._coordinator
         result = None
         if coordinator is None:
-            outcomes = self._manager.step(step)
+            outcomes = self._manager.step(step, keep_failures=self._share is not None)
+            if self._share is not None:
+                self._share(self._manager.new_failures())
             ready: frozenset[int] = frozenset()
         else:
             result = coordinator.step(step, self._manager, busy=busy)
@@ -333,6 +326,10 @@ class StageLeader:
         self._manager.apply_poison(records)
 
     # -- across replicas ----------------------------------------------------------
+
+    def share_failures(self, to: Callable[[list[PoisonRecord]], None]) -> None:
+        """Hand the keys this rank poisons, deciding alone, to ``to`` after each step."""
+        self._share = to
 
     def exchange_poison(self, sync: int) -> int:
         """Share newly failed grammar keys with the other replicas now.

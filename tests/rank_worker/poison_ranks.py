@@ -50,3 +50,35 @@ def host_exchange_body(rank: int, world: int) -> dict:
         }
     finally:
         session.close()
+
+
+def replica_body(rank: int, world: int) -> dict:
+    """``ReplicaPoison`` at a host's sync point; rank 1's manager attaches late."""
+    import torch.distributed as dist
+
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.rank_worker.grammars.manager import GrammarManager
+    from gramcoord.rank_worker.session.leader import StageLeader
+    from gramcoord.rank_worker.session.replicas import ReplicaPoison
+
+    replicas = ReplicaPoison(dist.group.WORLD, DistributedConfig(poison_lag_steps=2))
+    manager = GrammarManager(GrammarConfig(compile_mode="sync"), make_tiny_tokenizer())
+    leader = StageLeader(manager, None)
+    try:
+        if rank == 0:
+            replicas.attach(leader)
+            leader.submit("bad-0", BAD)
+            (first,) = leader.step(0).failed
+        for _ in range(4):  # the host's sync points: the same count everywhere
+            replicas.sync()
+        if rank == 1:
+            replicas.attach(leader)  # the host made its grammar manager late
+        again = leader.submit(f"bad-again-{rank}", BAD)
+        return {
+            "first": (first.status, first.code, first.message) if rank == 0 else None,
+            "again": (again.status, again.code, again.cache, again.message),
+            "compiles": manager.stats.miss,
+            "received": replicas.received,
+        }
+    finally:
+        manager.close()
