@@ -145,11 +145,16 @@ class CompileJob:
         return self.spec.key
 
     def state(self) -> tuple[PendingState, int]:
-        if self.error is not None:
-            return PendingState.FAILED, int(self.error[0])
-        if self.done.is_set():
-            return PendingState.READY, 0
-        return PendingState.PENDING, 0
+        # ``done`` first: a job that ends is given its error before ``done``
+        # is set, so an error read after ``done`` is final. Read the other
+        # way round, a job failing between the two reads looks READY, and
+        # its request is admitted-then-failed without its key being poisoned.
+        if not self.done.is_set():
+            return PendingState.PENDING, 0
+        error = self.error
+        if error is not None:
+            return PendingState.FAILED, int(error[0])
+        return PendingState.READY, 0
 
     def fail(self, code: ErrorCode, message: str) -> None:
         if self.error is None and not self.done.is_set():

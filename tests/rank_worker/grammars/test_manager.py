@@ -10,7 +10,7 @@ import pytest
 from gramcoord.coordinator.status import Decision, PendingState, PoisonRecord, decide_alone
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
+from gramcoord.rank_worker.grammars.compile_service import CompileJob, XGrammarBackend
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.spec import validate_spec
 
@@ -116,6 +116,56 @@ def test_invalid_compile_poisons_permanently(tiny_tokenizer):
     repeat = m.add("r2", bad)
     assert (repeat.status, repeat.cache, repeat.code) == ("failed", "poisoned", "grammar_invalid")
     assert m.num_pending == 0 and m.service.num_compiles == compiles
+
+
+class FinishesOnFirstLook(threading.Event):
+    """A job's ``done`` that the compile sets at the first look at it, just
+    before the look returns: the worker ending between two reads of the
+    job's state, forced instead of waited for."""
+
+    def __init__(self, finish) -> None:
+        super().__init__()
+        self._finish = finish
+
+    def is_set(self) -> bool:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return super().is_set()
+
+
+def _fail_now(job, message: str = "injected compile failure"):
+    def finish() -> None:  # as CompileService._run: the error, then done
+        job.error = (ErrorCode.grammar_invalid, message)
+        threading.Event.set(job.done)
+
+    return finish
+
+
+def test_a_job_failing_while_its_state_is_read_is_never_ready():
+    job = CompileJob(validate_spec({"grammar": "root ::= x"}, GrammarConfig(), vocab="tiny"))
+    job.done = FinishesOnFirstLook(_fail_now(job))
+    assert job.state() == (PendingState.FAILED, int(ErrorCode.grammar_invalid))
+
+
+def test_a_compile_failing_while_the_window_is_read_still_poisons(tiny_tokenizer):
+    """Issue 30, test 1: under load the compile ended between the two reads
+    of the job's state, the request was called ready, and failed only at its
+    admission, without poisoning its key (``new_failures()`` was empty)."""
+    backend = GatedBackend(tiny_tokenizer)
+    m, _, _ = make(tiny_tokenizer, backend)
+    try:
+        m.add("r1", SCHEMA_A)
+        assert backend.started.acquire(timeout=10)  # the worker holds the job
+        [entry] = m._pending.values()
+        entry.job.done = FinishesOnFirstLook(_fail_now(entry.job))
+        [failed] = m.apply_decision(decide_alone(0, m.local_status(), 10_000))
+        assert (failed.status, failed.code) == ("failed", "grammar_invalid")
+        [rec] = m.new_failures()
+        assert rec.reason == ErrorCode.grammar_invalid
+    finally:
+        backend.gate.set()
+        m.close()
 
 
 def test_timeout_poisons_with_ttl(tiny_tokenizer):
