@@ -16,7 +16,7 @@ from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.sync.janitor import remove
-from tests import dev_data
+from tests import dev_data, load
 from tests.sync.transport_peers import ipc_dirs, shm_names
 
 # A suite started in the background (`cmd &`, nohup) inherits SIGINT ignored,
@@ -25,6 +25,30 @@ from tests.sync.transport_peers import ipc_dirs, shm_names
 # disposition): give both Python's own handler, as a terminal would.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item):
+    """pytest-timeout's limit of each test grows with the load (``tests/load.py``).
+
+    Runs before pytest-timeout reads the limit: the test's own ``timeout``
+    marker, else ``--timeout`` / the ini's, is put back multiplied by the
+    factor measured now (kept in ``user_properties`` as ``load_factor``).
+    """
+    marker = item.get_closest_marker("timeout")
+    args, kwargs = (list(marker.args), dict(marker.kwargs)) if marker is not None else ([], {})
+    if args:
+        base = args.pop(0)
+    elif "timeout" in kwargs:
+        base = kwargs.pop("timeout")
+    else:
+        base = item.config.getoption("timeout", None) or item.config.getini("timeout")
+    if base and float(base) > 0:
+        f = load.factor()
+        item.user_properties.append(("load_factor", f))
+        item.add_marker(pytest.mark.timeout(float(base) * f, *args, **kwargs), append=False)
+    yield
+
 
 # $GRAMCOORD_DATA_DIR, else the full set in ../shared/data when it is there,
 # else the repo's own subset in tests/data (tests/data/README.md).
