@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gramcoord.launch import stack_dump
+from tests import load
 from tests.launch.entries import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +57,17 @@ HF_IDS = (
     "jsonschemabench/Github_trivial/o32735",
 )
 
-# Overrides every multi-process run gets: a short step timeout, and a run
-# deadline well inside the tests' 240 s.
-FAST = ("distributed.step_timeout_s=20", "distributed.run_timeout_s=150")
+
+def fast(load_factor: float | None = None) -> tuple[str, str]:
+    """Overrides every multi-process run gets: a short step timeout, and a run
+    deadline well inside the tests' 240 s; both 20 s and 150 s on a quiet
+    machine, scaled by the load measured now (``tests/load.py``), as the
+    tests' own limits are."""
+    f = load.factor() if load_factor is None else load_factor
+    return (
+        f"distributed.step_timeout_s={load.step_timeout(20, f)}",
+        f"distributed.run_timeout_s={load.step_timeout(150, f)}",
+    )
 
 
 def write_workload(

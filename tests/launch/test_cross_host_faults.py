@@ -10,7 +10,8 @@ the step loop runs, host B is
 3. killed with all its ranks at once (SIGKILL).
 
 Each survivor must exit non-zero within ``step_timeout_s + 10 s`` of the
-fault, naming the lost rank (``gramcoord: PeerLostError: ... rank N lost``);
+fault (both scaled by the load measured when the test starts,
+``tests/load.py``), naming the lost rank (``gramcoord: PeerLostError: ... rank N lost``);
 nothing may hang, and closing the hosts leaves no namespace, process or
 ``/dev/shm`` segment of the run.
 
@@ -30,10 +31,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+# On a quiet machine; each test scales them by the load at its start (Limits).
 STEP_TIMEOUT_S = 5.0
-BOUND_S = STEP_TIMEOUT_S + 10  # survivors exit within this long after the fault
+SLACK_S = 10.0  # survivors exit within step timeout + this after the fault
 AGENT_GRACE_S = 30.0  # torchrun's agent gets this long after its rank exited
+START_S = 150.0  # until both ranks are in their step loop
 STEP_SLEEP_S = "0.1"  # ~140 steps: ~15 s of step loop, > 8 s
 
 
@@ -71,13 +75,36 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 
 from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available  # noqa: E402
+from tests import load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-CONFIG = f"""\
+
+class Limits(NamedTuple):
+    """This test's deadlines: the quiet ones scaled by the load at its start."""
+
+    step_timeout_s: float
+    bound_s: float  # survivors exit within this long after the fault
+    agent_grace_s: float
+    start_s: float
+
+    @classmethod
+    def now(cls) -> Limits:
+        f = load.factor()
+        step = load.step_timeout(STEP_TIMEOUT_S, f)
+        return cls(
+            step,
+            step + load.scaled(SLACK_S, f),
+            load.scaled(AGENT_GRACE_S, f),
+            load.scaled(START_S, f),
+        )
+
+
+def _config(limits: Limits) -> str:
+    return f"""\
 launcher: external
 parallel: {{dp: 2, pp: 1, tp: 1, requests: replicated}}
-distributed: {{step_timeout_s: {STEP_TIMEOUT_S}, nnodes: 2, clock_sync_steps: 8}}
+distributed: {{step_timeout_s: {limits.step_timeout_s}, nnodes: 2, clock_sync_steps: 8}}
 grammar: {{compile_mode: sync, compile_timeout_s: 10}}
 workload: {{path: {ROOT / "configs" / "workload.jsonl"}, limit: 20, arrival: per_step, per_step: 1, max_tokens: 256}}
 """
@@ -142,9 +169,9 @@ class Host:
         return self.log.read_text(errors="replace")
 
 
-def _start(hosts: SimulatedHosts, tmp_path: Path) -> tuple[list[Host], Path, str]:
+def _start(hosts: SimulatedHosts, tmp_path: Path, limits: Limits) -> tuple[list[Host], Path, str]:
     cfg = tmp_path / "faults.yaml"
-    cfg.write_text(CONFIG)
+    cfg.write_text(_config(limits))
     out = tmp_path / "out"
     run_id = "xh" + secrets.token_hex(4)
     started = []
@@ -165,9 +192,9 @@ def _start(hosts: SimulatedHosts, tmp_path: Path) -> tuple[list[Host], Path, str
     return started, out, run_id
 
 
-def _wait_running(hosts: SimulatedHosts, started: list[Host], out: Path) -> None:
+def _wait_running(hosts: SimulatedHosts, started: list[Host], out: Path, limits: Limits) -> None:
     """Until both ranks are in the step loop (rank_main logs the layout just before)."""
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + limits.start_s
     logs = [out / "logs" / f"rank{r}.log" for r in range(2)]
     while time.monotonic() < deadline:
         for h in started:
@@ -182,10 +209,10 @@ def _wait_running(hosts: SimulatedHosts, started: list[Host], out: Path) -> None
     raise AssertionError("the run did not reach its step loop: " + started[0].output[-3000:])
 
 
-def _watch(started: list[Host], t_fault: float, t_from: float) -> None:
+def _watch(started: list[Host], t_fault: float, t_from: float, limits: Limits) -> None:
     """Poll the hosts until every rank and agent ended. A rank gets until
-    ``t_from + BOUND_S``; an agent ``AGENT_GRACE_S`` past its rank's exit,
-    after which it is killed (``agent_killed``)."""
+    ``t_from + limits.bound_s``; an agent ``limits.agent_grace_s`` past its
+    rank's exit, after which it is killed (``agent_killed``)."""
     while True:
         now = time.monotonic()
         for h in started:
@@ -193,13 +220,13 @@ def _watch(started: list[Host], t_fault: float, t_from: float) -> None:
             if (
                 h.agent_exit is None
                 and h.rank_exit is not None
-                and now - h.rank_exit > AGENT_GRACE_S
+                and now - h.rank_exit > limits.agent_grace_s
             ):
                 h.agent_killed = True
                 h.agent.kill()
         if all(h.agent_exit is not None for h in started):
             return
-        if now > t_from + BOUND_S and any(h.rank_exit is None for h in started):
+        if now > t_from + limits.bound_s and any(h.rank_exit is None for h in started):
             return  # a rank hangs: the caller reports it
         time.sleep(0.05)
 
@@ -262,14 +289,15 @@ def hosts():
 @pytest.mark.spawn
 @pytest.mark.timeout(240)
 def test_partition_every_side_names_the_other(hosts, tmp_path):
-    started, out, run_id = _start(hosts, tmp_path)
-    _wait_running(hosts, started, out)
+    limits = Limits.now()
+    started, out, run_id = _start(hosts, tmp_path, limits)
+    _wait_running(hosts, started, out, limits)
     hosts.partition(1)
     t_fault = time.monotonic()
-    _watch(started, t_fault, t_fault)
+    _watch(started, t_fault, t_fault, limits)
     report = _report("partition", started, t_fault, out)
     a, b = started
-    assert a.rank_exit is not None and a.rank_exit - t_fault <= BOUND_S, report
+    assert a.rank_exit is not None and a.rank_exit - t_fault <= limits.bound_s, report
     assert a.agent.returncode not in (None, 0) and not a.agent_killed, report
     assert _names_lost(a, 1), report + "\n" + a.output[-3000:]
     b_hung = b.rank_exit is None
@@ -278,7 +306,7 @@ def test_partition_every_side_names_the_other(hosts, tmp_path):
     # off: coordinator.runtime.roll_call bounds it on a thread (a blocked TCPStore.check
     # has no deadline of its own).
     assert not b_hung, report
-    assert b.rank_exit - t_fault <= BOUND_S, report
+    assert b.rank_exit - t_fault <= limits.bound_s, report
     assert _names_lost(b, 0), report + "\n" + b.output[-3000:]
     # torchrun's agent on host B may itself wait on the lost store (it is
     # killed AGENT_GRACE_S after its rank); either way it must not report success.
@@ -288,28 +316,30 @@ def test_partition_every_side_names_the_other(hosts, tmp_path):
 @pytest.mark.spawn
 @pytest.mark.timeout(240)
 def test_stalled_host_is_lost_and_its_ranks_end_when_resumed(hosts, tmp_path):
-    started, out, run_id = _start(hosts, tmp_path)
-    _wait_running(hosts, started, out)
+    limits = Limits.now()
+    started, out, run_id = _start(hosts, tmp_path, limits)
+    _wait_running(hosts, started, out, limits)
     frozen = _ns_pids(hosts.namespaces[1])
     for pid in frozen:
         os.kill(pid, signal.SIGSTOP)
     t_fault = time.monotonic()
     a, b = started
-    while time.monotonic() < t_fault + STEP_TIMEOUT_S + 5:
+    # Frozen past the step timeout, by half the slack.
+    while time.monotonic() < t_fault + (limits.step_timeout_s + limits.bound_s) / 2:
         a.poll(time.monotonic())
         time.sleep(0.05)
     for pid in frozen:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
     t_resume = time.monotonic()
-    _watch(started, t_fault, t_resume)
+    _watch(started, t_fault, t_resume, limits)
     report = _report("stall", started, t_fault, out)
     print(f"  host B resumed at +{round(t_resume - t_fault, 2)} s")
-    assert a.rank_exit is not None and a.rank_exit - t_fault <= BOUND_S, report
+    assert a.rank_exit is not None and a.rank_exit - t_fault <= limits.bound_s, report
     assert a.agent.returncode not in (None, 0), report
     assert _names_lost(a, 1), report + "\n" + a.output[-3000:]
     # The resumed host's rank ends too, with an error, within the bound.
-    assert b.rank_exit is not None and b.rank_exit - t_resume <= BOUND_S, report
+    assert b.rank_exit is not None and b.rank_exit - t_resume <= limits.bound_s, report
     assert b.agent.returncode not in (None, 0), report
     assert all(not h.agent_killed for h in started), report
     _close_clean(hosts, run_id)
@@ -318,16 +348,17 @@ def test_stalled_host_is_lost_and_its_ranks_end_when_resumed(hosts, tmp_path):
 @pytest.mark.spawn
 @pytest.mark.timeout(240)
 def test_dead_host_is_named_by_the_survivor(hosts, tmp_path):
-    started, out, run_id = _start(hosts, tmp_path)
-    _wait_running(hosts, started, out)
+    limits = Limits.now()
+    started, out, run_id = _start(hosts, tmp_path, limits)
+    _wait_running(hosts, started, out, limits)
     for pid in _ns_pids(hosts.namespaces[1]):
         os.kill(pid, signal.SIGKILL)
     t_fault = time.monotonic()
-    _watch(started, t_fault, t_fault)
+    _watch(started, t_fault, t_fault, limits)
     report = _report("host death", started, t_fault, out)
     a, b = started
     assert b.agent.returncode == -signal.SIGKILL, report
-    assert a.rank_exit is not None and a.rank_exit - t_fault <= BOUND_S, report
+    assert a.rank_exit is not None and a.rank_exit - t_fault <= limits.bound_s, report
     assert a.agent.returncode not in (None, 0), report
     assert not a.agent_killed, report
     assert _names_lost(a, 1), report + "\n" + a.output[-3000:]

@@ -18,12 +18,12 @@ from gramcoord.launch.cli import main
 from gramcoord.launch.run import compare_runs
 from tests.launch.e2e_support import (
     CONFIGS,
-    FAST,
     HF_IDS,
     SMALL_IDS,
     SMALL_MAX_TOKENS,
     LeakGuard,
     check_run_dir,
+    fast,
     read_digests,
     read_outputs,
     read_summary,
@@ -64,7 +64,7 @@ def tiny_model(tmp_path_factory):
 
 def _cli(capfd, command, config, workload, out, *overrides) -> tuple[int, str]:
     argv = [command, str(config), "--workload", str(workload), "--out", str(out)]
-    rc = main(argv + sets(*FAST, *overrides))
+    rc = main(argv + sets(*fast(), *overrides))
     captured = capfd.readouterr()
     return rc, squash(captured.out + "\n" + captured.err)
 
@@ -200,7 +200,7 @@ def test_external_launcher_matches_the_reference(tmp_path, small_workload, capfd
         str(small_workload),
         "--out",
         str(out),
-        *sets(*FAST),
+        *sets(*fast()),
     ]
     proc = run_cmd(argv, timeout=180, cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "COLUMNS": "1000"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -5,6 +5,7 @@ notice it:
 
 - a killed rank: run as a host would (one process per rank, no agent that
   stops the others), the survivor exits 1 within ``step_timeout_s + 10 s``
+  (step timeout and slack both scaled by the load now, ``tests/load.py``)
   naming the lost rank (``PeerLostError``);
 - a hung rank under ``gramcoord run`` (torchrun): the survivor names it, the
   run exits 1, and the hung process is ended with the run;
@@ -24,11 +25,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import pytest
 
 from gramcoord.launch.cli import main
 from gramcoord.launch.config import ConfigError, load_config
+from tests import load
 from tests.launch.e2e_support import (
     CONFIGS,
     SMALL_IDS,
@@ -42,14 +45,30 @@ from tests.launch.e2e_support import (
 )
 from tests.procs import free_port
 
+# On a quiet machine; every run scales them by the load measured at its start.
 STEP_TIMEOUT_S = 5.0
-BOUND_S = STEP_TIMEOUT_S + 10
-QUICK = (
-    f"distributed.step_timeout_s={STEP_TIMEOUT_S}",
-    "distributed.run_timeout_s=120",
-    "grammar.compile_mode=sync",
-    "workload.arrival=all",
-)
+RUN_TIMEOUT_S = 120.0
+SLACK_S = 10.0
+
+
+class Quick(NamedTuple):
+    """A run's overrides and the bound a survivor exits within, for the load now."""
+
+    load: float
+    overrides: tuple[str, ...]
+    bound_s: float
+
+
+def quick() -> Quick:
+    f = load.factor()
+    step = load.step_timeout(STEP_TIMEOUT_S, f)
+    overrides = (
+        f"distributed.step_timeout_s={step}",
+        f"distributed.run_timeout_s={load.step_timeout(RUN_TIMEOUT_S, f)}",
+        "grammar.compile_mode=sync",
+        "workload.arrival=all",
+    )
+    return Quick(f, overrides, step + load.scaled(SLACK_S, f))
 
 
 leak_guard = pytest.fixture(autouse=True)(leak_guarded)
@@ -61,9 +80,11 @@ def workload(tmp_path_factory):
     return write_workload(path, SMALL_IDS, max_tokens=SMALL_MAX_TOKENS)
 
 
-def _cli_raw(capfd, config, workload, out, *overrides) -> tuple[int, str, str]:
+def _cli_raw(
+    capfd, config, workload, out, *overrides, q: Quick | None = None
+) -> tuple[int, str, str]:
     argv = ["run", str(CONFIGS / config), "--workload", str(workload), "--out", str(out)]
-    rc = main(argv + sets(*QUICK, *overrides))
+    rc = main(argv + sets(*(q or quick()).overrides, *overrides))
     captured = capfd.readouterr()
     raw = captured.out + "\n" + captured.err
     return rc, squash(raw), raw
@@ -101,7 +122,9 @@ def test_faults_parse_from_overrides_and_name_bad_fields():
 # -- a killed rank, ranks started as a host starts them -------------------------------
 
 
-def _rank_procs(tmp_path, workload, world: int, overrides: list[str]) -> list[subprocess.Popen]:
+def _rank_procs(
+    tmp_path, workload, world: int, overrides: list[str], q: Quick
+) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(world):
@@ -117,7 +140,7 @@ def _rank_procs(tmp_path, workload, world: int, overrides: list[str]) -> list[su
         )
         argv = [sys.executable, "-m", "gramcoord.launch.rank_main", str(CONFIGS / "local.yaml")]
         argv += ["--workload", str(workload), "--out", str(tmp_path), "--run-id", "faultkill"]
-        argv += sets("launcher=external", *QUICK, *overrides)
+        argv += sets("launcher=external", *q.overrides, *overrides)
         procs.append(
             subprocess.Popen(
                 argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -129,25 +152,27 @@ def _rank_procs(tmp_path, workload, world: int, overrides: list[str]) -> list[su
 @pytest.mark.spawn
 @pytest.mark.timeout(180)
 def test_killed_rank_is_named_by_the_survivor_within_the_bound(tmp_path, workload):
+    q = quick()
     procs = _rank_procs(
         tmp_path,
         workload,
         2,
         ["parallel.tp=1", "parallel.requests=replicated", "faults.kill_rank=1", "faults.at_step=3"],
+        q,
     )
     try:
         killed, survivor = procs[1], procs[0]
-        killed.wait(timeout=120)
+        killed.wait(timeout=load.scaled(120, q.load))
         died = time.monotonic()
         assert killed.returncode == -9, killed.stderr.read()
-        _, err = survivor.communicate(timeout=BOUND_S + 30)
+        _, err = survivor.communicate(timeout=q.bound_s + load.scaled(30, q.load))
         took = time.monotonic() - died
     finally:
         for p in procs:
             p.kill()
             p.communicate()
     assert survivor.returncode == 1, err
-    assert took <= BOUND_S, f"the survivor took {took:.1f} s after the kill"
+    assert took <= q.bound_s, f"the survivor took {took:.1f} s after the kill"
     assert re.search(r"gramcoord: PeerLostError: .*rank 1\b", err), err
     assert "kills itself at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
 
@@ -158,6 +183,7 @@ def test_killed_rank_is_named_by_the_survivor_within_the_bound(tmp_path, workloa
 @pytest.mark.spawn
 @pytest.mark.timeout(180)
 def test_hung_rank_fails_the_run_naming_it(tmp_path, workload, capfd):
+    q = quick()
     start = time.monotonic()
     rc, text, raw = _cli_raw(
         capfd,
@@ -167,12 +193,13 @@ def test_hung_rank_fails_the_run_naming_it(tmp_path, workload, capfd):
         "parallel.tp=1",
         "faults.hang_rank=1",
         "faults.at_step=3",
+        q=q,
     )
     took = time.monotonic() - start
     assert rc == 1, text
     assert "PeerLostError" in text and re.search(r"rank 1\b", text), text
     # Start-up, three steps, then the step timeout and the bound.
-    assert took <= 60 + BOUND_S, took
+    assert took <= load.scaled(60, q.load) + q.bound_s, took
     assert "hangs at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
     # The cause in a line (and where the rest is), the traceback in the logs.
     lines = [ln for ln in raw.splitlines() if ln.strip()]
@@ -238,7 +265,7 @@ def test_ctrl_c_stops_every_rank_in_one_line_with_130(tmp_path, workload, to):
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "gramcoord.launch.cli", "run", str(CONFIGS / "local.yaml")]
     argv += ["--workload", str(workload), "--out", str(out)]
-    argv += sets(*QUICK, "parallel.tp=1", "faults.hang_rank=1", "faults.at_step=2")
+    argv += sets(*quick().overrides, "parallel.tp=1", "faults.hang_rank=1", "faults.at_step=2")
     argv += sets("distributed.step_timeout_s=150")
     proc = subprocess.Popen(
         argv,
@@ -258,7 +285,7 @@ def test_ctrl_c_stops_every_rank_in_one_line_with_130(tmp_path, workload, to):
             os.killpg(proc.pid, signal.SIGINT)
         else:
             os.kill(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=90)
+        stdout, stderr = proc.communicate(timeout=load.scaled(90))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

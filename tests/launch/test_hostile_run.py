@@ -21,9 +21,9 @@ from tests.data.hostile import make_hostile
 from tests.launch.e2e_support import (
     CONFIGS,
     EXPECTED_FAILURES,
-    FAST,
     SMALL_IDS,
     SMALL_MAX_TOKENS,
+    fast,
     leak_guarded,
     read_digests,
     read_outputs,
@@ -49,7 +49,7 @@ leak_guard = pytest.fixture(autouse=True)(leak_guarded)
 
 def _run(capfd, workload: Path, out: Path) -> list[dict]:
     argv = ["run", str(CONFIGS / "local.yaml"), "--workload", str(workload), "--out", str(out)]
-    rc = main(argv + sets(*FAST, *INLINE, *NO_DEADLINE, *REFUSE))
+    rc = main(argv + sets(*fast(), *INLINE, *NO_DEADLINE, *REFUSE))
     text = squash(capfd.readouterr().out)
     assert rc == 0, text
     return read_outputs(out)

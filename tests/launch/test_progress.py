@@ -28,12 +28,13 @@ from gramcoord.launch.progress import (
     watch_progress,
 )
 from gramcoord.launch.run import launch
+from tests import load
 from tests.launch.e2e_support import (
     CONFIGS,
-    FAST,
     ROOT,
     SMALL_IDS,
     SMALL_MAX_TOKENS,
+    fast,
     leak_guarded,
     write_workload,
 )
@@ -161,7 +162,7 @@ def last_counts(monkeypatch):
 def test_every_origin_reports_to_the_launcher(
     tmp_path, small_workload, last_counts, config, overrides
 ):
-    cfg = load_config(CONFIGS / config, [*FAST, *overrides])
+    cfg = load_config(CONFIGS / config, [*fast(), *overrides])
     result = launch(cfg, str(small_workload), tmp_path / "out", progress=True)
     assert result.exit_code == 0, result.error
     n = len(SMALL_IDS)
@@ -178,7 +179,7 @@ def test_gramcoord_run_under_torchrun_draws_the_bar_on_a_terminal(tmp_path, smal
     master, slave = pty.openpty()
     argv = [sys.executable, "-m", "gramcoord.launch.cli", "run", str(CONFIGS / "local.yaml")]
     argv += ["--workload", str(small_workload), "--out", str(tmp_path / "out")]
-    for item in FAST:
+    for item in fast():
         argv += ["--set", item]
     env = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
     proc = subprocess.Popen(
@@ -195,7 +196,7 @@ def test_gramcoord_run_under_torchrun_draws_the_bar_on_a_terminal(tmp_path, smal
             if not data:
                 break
             chunks.append(data)
-        out, _ = proc.communicate(timeout=200)
+        out, _ = proc.communicate(timeout=load.scaled(200))
     finally:
         os.close(master)
         if proc.poll() is None:

@@ -32,10 +32,11 @@ import pytest
 
 from gramcoord.launch.cli import main
 from gramcoord.launch.journal import read_lines, read_prior
+from tests import load
 from tests.launch.e2e_support import (
     CONFIGS,
-    FAST,
     SHM,
+    fast,
     leak_guarded,
     read_outputs,
     read_summary,
@@ -46,13 +47,14 @@ leak_guard = pytest.fixture(autouse=True)(leak_guarded)
 
 COMPARED = ("id", "status", "finish_reason", "text", "token_ids")
 RUN = ("workload.repeat=2", "workload.max_tokens=32", "workload.arrival=per_step")
-RUN += ("workload.per_step=4", *FAST)
+RUN += ("workload.per_step=4",)
 
 
 def _run(out: Path, *extra: str, resume: bool = False) -> int:
+    """One ``gramcoord run``, its deadlines scaled by the load now (``fast``)."""
     argv = ["run", str(CONFIGS / "local.yaml")]
     argv += ["--resume", str(out)] if resume else ["--out", str(out)]
-    return main(argv + sets(*RUN, *extra))
+    return main(argv + sets(*RUN, *fast(), *extra))
 
 
 def _view(outputs: list[dict]) -> list[tuple]:
@@ -115,12 +117,12 @@ def test_max_restarts_survives_a_lost_rank(tmp_path, clean, capfd):
 def test_sigkill_of_the_whole_run_then_a_damaged_line_then_resume(tmp_path, clean, leak_guard):
     clean_by_id, clean_view = clean
     argv = [sys.executable, "-m", "gramcoord.launch.cli", "run", str(CONFIGS / "local.yaml")]
-    argv += ["--out", str(tmp_path), *sets(*RUN)]
+    argv += ["--out", str(tmp_path), *sets(*RUN, *fast())]
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     folder = tmp_path / "journal" / "attempt-0"
-    deadline = time.monotonic() + 200
+    deadline = time.monotonic() + load.scaled(200)
     try:
         # Kill once a few dozen requests are on disk.
         while time.monotonic() < deadline and proc.poll() is None:
