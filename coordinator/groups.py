@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,6 +79,8 @@ class GroupCalls:
         self._buffers: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor, int, str]] = []
         self._closed = False
+        # When the call now made began waiting (``time_left``).
+        self._call_began = time.monotonic()
         # Every rank's host name, where a two-level agreement needs them.
         self.hosts: tuple[str, ...] = ()
         # Calls made inside steps, by "operation: kind": "blocking" (waited
@@ -168,7 +171,21 @@ class GroupCalls:
 
     # -- calls -----------------------------------------------------------------
 
+    def time_left(self) -> float:
+        """What is left of the current call's whole timeout: the time a roll call may take.
+
+        A call waits ``OP_SHARE`` of its timeout (the step's, or the start-up
+        one inside ``startup()``); naming the lost then has the rest of it,
+        from when the wait began. A call that failed at once (a peer closed
+        its groups) leaves nearly all of it, so a peer that is slow but alive
+        gets there and answers, as late as the configured timeout; one that
+        timed out leaves the rest, never less.
+        """
+        whole = self._op_timeout.total_seconds() / OP_SHARE
+        return max(whole * (1 - OP_SHARE), whole - (time.monotonic() - self._call_began))
+
     def _group(self, name: str) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+        self._call_began = time.monotonic()
         if self._closed:
             raise CoordinatorError(f"[rank {self.rank}] runtime is closed")
         entry = self._groups.get(name)
@@ -176,6 +193,7 @@ class GroupCalls:
         return entry
 
     def _wait(self, work: dist.Work, name: str, operation: str, step: int, peer: int | None):
+        self._call_began = time.monotonic()
         try:
             work.wait(timeout=self._op_timeout)
         except RuntimeError as exc:

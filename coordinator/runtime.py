@@ -8,7 +8,9 @@ whatever backend the data plane uses (the calls themselves are
 ``distributed.step_timeout_s``; when it fails, the surviving ranks hold a
 short **roll call** through the rendezvous store to name the ranks that are
 gone, release their groups, and raise ``PeerLostError`` -- all within the
-step timeout.
+step timeout: the roll call takes what the failed call left of it
+(``GroupCalls.time_left``), so a slow but live peer has until the configured
+timeout to answer.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ __all__ = ["OP_SHARE", "PendingGather", "Runtime", "roll_call"]
 
 logger = logging.getLogger(__name__)
 
-MAX_ROLL_CALL_S = 2.0
 # Bytes per rank in the start-up exchange of host names (Linux allows 64).
 HOSTNAME_BYTES = 256
 _generations = itertools.count()
@@ -61,7 +62,6 @@ class Runtime(GroupCalls):
     ) -> None:
         super().__init__(rank=rank, step_timeout_s=step_timeout_s, init_timeout_s=init_timeout_s)
         self.layout = layout
-        self._roll_call_s = min(MAX_ROLL_CALL_S, step_timeout_s * (1 - OP_SHARE))
         self._store = store
         self._owns_world = owns_world
         self._generation = next(_generations)
@@ -199,7 +199,7 @@ class Runtime(GroupCalls):
             f"gramcoord/rt{self._generation}/alive/",
             self.rank,
             ranks,
-            timeout_s=self._roll_call_s,
+            timeout_s=self.time_left(),
         )
         if not lost and peer is not None:
             lost, how = (peer,), "point-to-point peer"

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch.distributed as dist
 
+from gramcoord.coordinator import groups
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.coordinator.errors import CoordinatorError, PeerLostError
 from gramcoord.coordinator.external import attach_external
+from gramcoord.coordinator.groups import GroupCalls
 from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.runtime import Runtime
+from gramcoord.coordinator.runtime import Runtime, roll_call
 
 LAYOUT = ParallelLayout(dp=2, pp=1, tp=1)
 
@@ -58,3 +62,76 @@ def test_peer_lost_message_names_ranks_and_operation(ranks, expected):
         rank=0, ranks=ranks, operation="agreement", step=7, group=(0, 1, 2, 3), detail="x"
     )
     assert expected in str(err) and "[rank 0]" in str(err) and "group [0, 1, 2, 3]" in str(err)
+
+
+# -- how long naming the lost may take --------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+class _FailingWork:
+    """A call that fails after ``after_s`` on the test's clock."""
+
+    def __init__(self, clock: _Clock, after_s: float) -> None:
+        self.clock, self.after_s = clock, after_s
+
+    def wait(self, timeout) -> None:
+        self.clock.t += self.after_s
+        raise RuntimeError("Connection closed by peer")
+
+
+class _Calls(GroupCalls):
+    def _lost(self, group, operation, step, peer, exc) -> None:
+        self.roll_call_s = self.time_left()
+
+
+@pytest.mark.parametrize(
+    ("after_s", "startup", "expected"),
+    [
+        # Timed out (OP_SHARE of 30 s): the rest, 6 s (was capped at 2 s).
+        pytest.param(24.0, False, 6.0, id="timed-out"),
+        # Failed at once (a peer closed its groups): nearly all of it.
+        pytest.param(0.5, False, 29.5, id="failed-at-once"),
+        # Inside startup(): of the start-up timeout.
+        pytest.param(1.0, True, 99.0, id="startup"),
+    ],
+)
+def test_a_roll_call_gets_what_the_failed_call_left_of_its_timeout(
+    monkeypatch, after_s, startup, expected
+):
+    clock = _Clock()
+    monkeypatch.setattr(groups, "time", clock)
+    calls = _Calls(rank=0, step_timeout_s=30.0, init_timeout_s=100.0)
+    clock.t += 50  # idle between calls: not counted
+    with calls.startup() if startup else contextlib.nullcontext():
+        calls._wait(_FailingWork(clock, after_s), "world", "agreement", 3, None)
+    assert calls.roll_call_s == pytest.approx(expected)
+
+
+class _Store:
+    """A rendezvous store where rank 1 answers at its ``answer_at``-th look."""
+
+    def __init__(self, answer_at: int | None) -> None:
+        self.keys: set[str] = set()
+        self.looks, self.answer_at = 0, answer_at
+
+    def set(self, key: str, value: str) -> None:
+        self.keys.add(key)
+
+    def check(self, keys: list[str]) -> bool:
+        self.looks += 1
+        if self.looks == self.answer_at:
+            self.keys.add("p/1")
+        return all(k in self.keys for k in keys)
+
+
+def test_a_late_answer_within_the_window_is_not_lost_and_silence_is():
+    assert roll_call(_Store(answer_at=5), "p/", 0, (0, 1), timeout_s=60.0)[0] == ()
+    lost, how = roll_call(_Store(answer_at=None), "p/", 0, (0, 1), timeout_s=0.1)
+    assert lost == (1,) and "no answer to the roll call within 0.1s" in how
