@@ -183,6 +183,9 @@ def _torchrun_rank(entry: str, job: bytes) -> bytes:
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from gramcoord.launch.rank_process import worker
+
+    worker()  # torch's exit of this process leaves with os._exit (rank_process)
     return record(run_entry)(entry, job)
 
 

@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from gramcoord.rank_worker.grammars.native_exit import exiting
+    from gramcoord.launch.rank_process import rank_process
 
-    # With a compile still in flight the process leaves with this status.
-    sys.exit(exiting(main()))
+    # Leaves with main's status before the interpreter finalizes under
+    # gloo's and the store's threads (``rank_process``).
+    rank_process(main)

@@ -22,6 +22,12 @@ can begin, with the status it would have had:
 - else 1 for an unhandled exception (death by SIGINT for Ctrl-C);
 - else 0. ``raise SystemExit(n)`` bypasses ``sys.exit``: a host that exits
   that way with compiles in flight should call ``exiting(n)`` first.
+
+A rank's process holds more native threads than compiles: gloo's, the
+TCPStore's, a roll call blocked on a lost store host. None of them is ever
+joined, and one that wakes into a finalizing interpreter aborts the same
+way. So a rank process calls ``always_leave`` (the handler then leaves
+whatever is in flight), or ``leave_now`` once it has its status.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ import os
 import signal
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from typing import Any
+from typing import Any, NoReturn
 
 _UNSET: Any = object()
 
@@ -48,6 +55,7 @@ _closing = False
 _status: int | None = None
 _exit_code: Any = _UNSET
 _hooked = False
+_always = False
 _parked = threading.Event()  # never set
 
 
@@ -86,6 +94,21 @@ def native_call() -> Iterator[None]:
                     del _callers[me]
                 else:
                     _callers[me] -= 1
+
+
+def always_leave() -> None:
+    """At exit, leave with ``os._exit`` (files and streams flushed) even with
+    nothing counted in flight: for a rank's process, whose native threads
+    are never joined. Its exit must go through ``sys.exit`` or ``exiting``."""
+    global _always
+    _hook_sys_exit()
+    _always = True
+
+
+def leave_now(status: int) -> NoReturn:
+    """Flush what finalization would write and leave with ``status`` at once."""
+    _leave(exiting(status), 0)
+    raise AssertionError("unreachable")  # os._exit returned
 
 
 def exiting(status: int) -> int:
@@ -171,11 +194,13 @@ def _flush() -> None:
         # made (spawn-context queues and locks) and close its queues.
         with suppress(Exception):
             mp_util._run_finalizers(0)  # type: ignore[attr-defined]
-    for obj in gc.get_objects():
-        if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
-            with suppress(Exception):
-                if not obj.closed:
-                    obj.flush()
+    with warnings.catch_warnings():  # some objects warn when their class is read
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
+                with suppress(Exception):
+                    if not obj.closed:
+                        obj.flush()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with suppress(Exception):
@@ -196,7 +221,7 @@ def _at_exit() -> None:
     with _lock:
         _closing = True
         busy = _in_flight
-    if busy:
+    if busy or _always:
         _leave(*_derived_status())
 
 

@@ -69,7 +69,9 @@ def _rank_program() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_program())
+    from gramcoord.launch.rank_process import rank_process
+
+    rank_process(_rank_program)
 
 
 import pytest  # noqa: E402
