@@ -106,6 +106,25 @@ def sets(*items: str) -> list[str]:
     return out
 
 
+ABORT = "terminate called"
+
+
+def aborts(*where: Path | str) -> list[str]:
+    """Where a rank aborted at exit ("terminate called ..."): files under the
+    given folders (a run's logs: each rank's log, native log and torchrun's
+    copies of its stdout/stderr) and given texts that say so."""
+    found = []
+    for item in where:
+        if isinstance(item, str):
+            if ABORT in item:
+                found.append(item[item.index(ABORT) - 200 :][:600])
+            continue
+        for path in sorted(item.rglob("*")) if item.is_dir() else []:
+            if path.is_file() and ABORT in path.read_text(errors="replace"):
+                found.append(str(path))
+    return found
+
+
 def read_outputs(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "outputs.jsonl").read_text().splitlines()]
 

@@ -78,6 +78,7 @@ import pytest  # noqa: E402
 
 from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available  # noqa: E402
 from tests import load  # noqa: E402
+from tests.launch.e2e_support import aborts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -276,6 +277,11 @@ def _close_clean(hosts: SimulatedHosts, run_id: str) -> None:
     assert shm == [], shm
 
 
+def _no_aborts(started: list[Host], out: Path) -> None:
+    """No rank aborted at exit, whatever it found out (its host's output and the logs)."""
+    assert aborts(*(h.output for h in started), out / "logs") == []
+
+
 @pytest.fixture
 def hosts():
     ok, why = available()
@@ -304,6 +310,8 @@ def test_partition_every_side_names_the_other(hosts, tmp_path):
     assert _names_lost(a, 1), report + "\n" + a.output[-3000:]
     b_hung = b.rank_exit is None
     _close_clean(hosts, run_id)  # also ends a hung host B
+    # Rank 1 lost the store host: its roll call may still be blocked on it.
+    _no_aborts(started, out)
     # Rank 1's roll call asks the store on host A, which the partition cut
     # off: coordinator.runtime.roll_call bounds it on a thread (a blocked TCPStore.check
     # has no deadline of its own).
@@ -345,6 +353,7 @@ def test_stalled_host_is_lost_and_its_ranks_end_when_resumed(hosts, tmp_path):
     assert b.agent.returncode not in (None, 0), report
     assert all(not h.agent_killed for h in started), report
     _close_clean(hosts, run_id)
+    _no_aborts(started, out)
 
 
 @pytest.mark.spawn
@@ -365,3 +374,4 @@ def test_dead_host_is_named_by_the_survivor(hosts, tmp_path):
     assert not a.agent_killed, report
     assert _names_lost(a, 1), report + "\n" + a.output[-3000:]
     _close_clean(hosts, run_id)
+    _no_aborts(started, out)

@@ -36,6 +36,7 @@ from tests.launch.e2e_support import (
     CONFIGS,
     SMALL_IDS,
     SMALL_MAX_TOKENS,
+    aborts,
     leak_guarded,
     read_outputs,
     read_summary,
@@ -172,6 +173,7 @@ def test_killed_rank_is_named_by_the_survivor_within_the_bound(tmp_path, workloa
             p.kill()
             p.communicate()
     assert survivor.returncode == 1, err
+    assert aborts(err, tmp_path / "logs") == []
     assert took <= q.bound_s, f"the survivor took {took:.1f} s after the kill"
     assert re.search(r"gramcoord: PeerLostError: .*rank 1\b", err), err
     assert "kills itself at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
@@ -201,6 +203,8 @@ def test_hung_rank_fails_the_run_naming_it(tmp_path, workload, capfd):
     # Start-up, three steps, then the step timeout and the bound.
     assert took <= load.scaled(60, q.load) + q.bound_s, took
     assert "hangs at step 3" in (tmp_path / "logs" / "rank1.log").read_text()
+    # Rank 0 lost its peer, rank 1 got torch's agent's SIGTERM: neither aborts.
+    assert aborts(raw, tmp_path / "logs") == []
     # The cause in a line (and where the rest is), the traceback in the logs.
     lines = [ln for ln in raw.splitlines() if ln.strip()]
     assert len(lines) == 2 and "Traceback" not in raw, raw

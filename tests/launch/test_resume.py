@@ -36,6 +36,7 @@ from tests import load
 from tests.launch.e2e_support import (
     CONFIGS,
     SHM,
+    aborts,
     fast,
     leak_guarded,
     read_outputs,
@@ -88,6 +89,8 @@ def test_a_killed_rank_loses_nothing_finished_and_resume_ends_like_a_clean_run(
     rank, step = rng.randrange(4), rng.randrange(15, 45)
     rc = _run(tmp_path, f"faults.kill_rank={rank}", f"faults.at_step={step}")
     assert rc == 1, capfd.readouterr().err
+    # The survivors lost a peer mid-collective or got the agent's SIGTERM.
+    assert aborts(tmp_path / "logs") == []
     finished = _journaled_equal_clean(tmp_path, clean_by_id)
     assert 0 < finished < len(clean_by_id), finished
     assert _run(tmp_path, resume=True) == 0
@@ -96,6 +99,7 @@ def test_a_killed_rank_loses_nothing_finished_and_resume_ends_like_a_clean_run(
     journal = read_summary(tmp_path)["journal"]
     assert journal["carried"] == finished and journal["ran"] == len(clean_by_id) - finished
     assert journal["attempt"] == 1 and journal["restarts"] == 0
+    assert aborts(tmp_path / "logs") == []
 
 
 @pytest.mark.spawn
@@ -104,6 +108,7 @@ def test_max_restarts_survives_a_lost_rank(tmp_path, clean, capfd):
     _, clean_view = clean
     rc = _run(tmp_path, "distributed.max_restarts=2", "faults.kill_rank=3", "faults.at_step=25")
     assert rc == 0, capfd.readouterr().err
+    assert aborts(tmp_path / "logs") == []  # neither the failed attempt nor the restart
     assert _view(read_outputs(tmp_path)) == clean_view
     summary = read_summary(tmp_path)
     journal = summary["journal"]
