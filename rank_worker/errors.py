@@ -52,6 +52,10 @@ class ErrorCode(IntEnum):
     # The ranks of an agreement group held different pending requests: every
     # pending request there fails, so no rank admits one another lacks.
     grammar_divergence = 53
+    # The TP ranks of a host that fill their own masks (vLLM under
+    # external_launcher) filled different rows for a request: it fails on
+    # every rank (integrations.vllm.tp_digest).
+    tp_mask_mismatch = 54
 
     @classmethod
     def name_of(cls, value: int) -> str:

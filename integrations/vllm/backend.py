@@ -30,6 +30,8 @@ from vllm.v1.structured_output.backend_types import (
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
 from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.integrations.vllm.replicas import replica_poison
+from gramcoord.integrations.vllm.tp_digest import MaskDigests
 from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
@@ -162,6 +164,12 @@ class GramcoordBackend(StructuredOutputBackend):
         )
         self.leader = StageLeader.for_host(manager, self.group, distributed)
         self.grammars = GrammarFutures(self.leader, admit=self._admitted, refuse=self._refused)
+        poison = replica_poison(self.vllm_config)
+        if poison is not None:
+            poison.attach(self.leader)
+        self.digests: MaskDigests | None = None
+        if self.group is not None:
+            self.digests = MaskDigests(self.group, distributed, self._max_rows(), faults)
         self._stops: dict[str, set[int] | None] = {}
         logger.info(
             "gramcoord backend: vocabulary %s, agreement group of %d, %d compile workers",
@@ -169,6 +177,11 @@ class GramcoordBackend(StructuredOutputBackend):
             self.leader.group_size,
             self.config.pool_size,
         )
+
+    def _max_rows(self) -> int:
+        """Most bitmask rows in one step: every sequence, each with its drafts."""
+        seqs = self.vllm_config.scheduler_config.max_num_seqs
+        return seqs * (1 + self.num_speculative_tokens)
 
     # -- compiling -------------------------------------------------------------
 

@@ -90,6 +90,31 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         ("vocab_size", "matcher", "ctx", "_is_terminated"),
         "subclassed: vLLM's own per-token accept, validate, rollback and bitmask fill",
     ),
+    (
+        "vllm.v1.engine.llm_engine",
+        "LLMEngine.has_unfinished_requests_dp",
+        ("self", "has_unfinished"),
+        "DP replicas (external_launcher) share poison at vLLM's per-step DP all_reduce",
+    ),
+    (
+        "vllm.distributed.parallel_state",
+        "get_dp_group",
+        (),
+        "the group between DP replicas under external_launcher: its gloo cpu_group",
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.get_grammar_bitmask",
+        ("self", "scheduler_output"),
+        "TP mask digests: each TP rank's bitmask rows, once per engine step",
+    ),
+    (
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        ("self", "scheduler_output", "model_runner_output"),
+        "finishes grammar_compile_error_reqs with FINISHED_ERROR: so fails a request "
+        "whose TP masks differ",
+    ),
 )
 
 
@@ -220,6 +245,7 @@ def _wrap_scheduler() -> None:
 
     schedule = Scheduler.schedule
     free = Scheduler._free_request
+    bitmask = Scheduler.get_grammar_bitmask
 
     @functools.wraps(schedule)
     def scheduled(self, *args, **kwargs):
@@ -235,8 +261,32 @@ def _wrap_scheduler() -> None:
             backend.release(request.request_id)
         return free(self, request, *args, **kwargs)
 
+    @functools.wraps(bitmask)
+    def digested(self, scheduler_output):
+        out = bitmask(self, scheduler_output)
+        backend = self.structured_output_manager.backend
+        if isinstance(backend, GramcoordBackend) and backend.digests is not None:
+            backend.digests.observe(self, scheduler_output, out)
+        return out
+
     Scheduler.schedule = scheduled
     Scheduler._free_request = freed
+    Scheduler.get_grammar_bitmask = digested
+
+
+def _wrap_dp_step() -> None:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from gramcoord.integrations.vllm.replicas import sync_replicas
+
+    original = LLMEngine.has_unfinished_requests_dp
+
+    @functools.wraps(original)
+    def has_unfinished_requests_dp(self, has_unfinished):
+        sync_replicas(self.vllm_config)
+        return original(self, has_unfinished)
+
+    LLMEngine.has_unfinished_requests_dp = has_unfinished_requests_dp
 
 
 def check_internals() -> list[str]:
@@ -266,5 +316,6 @@ def register() -> None:
     _wrap_validation()
     _wrap_manager()
     _wrap_scheduler()
+    _wrap_dp_step()
     _registered = True
     logger.info("gramcoord: registered the %r structured-output backend", NAME)

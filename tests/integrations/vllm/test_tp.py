@@ -1,9 +1,11 @@
-"""TP=2 under ``external_launcher`` (torchrun): async compile, same admissions on every rank."""
+"""TP=2 under ``external_launcher`` (torchrun): async compile, same admissions on every rank,
+and masks proven identical across the ranks (a flipped bit on one rank is caught and named)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ pytest.importorskip("vllm")
 
 from tests.integrations.vllm.conftest import fast_schemas, schema
 from tests.integrations.vllm.test_engine import PROMPT, _params, _run
-from tests.integrations.vllm.tiny_model import free_port
+from tests.integrations.vllm.tiny_model import free_port, remove_unmapped_vllm_shm
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,16 +35,27 @@ FAULT = {
 }
 
 
+# Rank 1 clears one allowed token of this request's row at output position 2.
+FLIP = "1:flip:2"
+# Long enough (no EOS) that the mismatch, found within two digest windows of
+# 8 steps, is found while the request still runs.
+FLIP_TOKENS = 40
+
+
 def _requests() -> list[list[dict[str, Any]]]:
     fast = fast_schemas()
     first = [{"id": "slow", "schema": schema(SLOW_ID), "max_tokens": 16}]
     first += [{"id": f"fast{i}", "schema": fast[i], "max_tokens": 16} for i in range(6)]
     second = [{"id": f"after{i}", "schema": fast[6 + i], "max_tokens": 8} for i in range(3)]
     second.insert(1, {"id": "fault", "schema": FAULT, "max_tokens": 8})
-    for batch in (first, second):
+    third = [
+        {"id": rid, "schema": fast[9 + i], "max_tokens": FLIP_TOKENS, "ignore_eos": True}
+        for i, rid in enumerate(("beside0", "flip", "beside1"))
+    ]
+    for batch in (first, second, third):
         for r in batch:
             r["prompt"] = PROMPT
-    return [first, second]
+    return [first, second, third]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +68,7 @@ def tp_out(tiny_model, tmp_path_factory) -> Path:
         **os.environ,
         "FAIL_MARK": "1:fault_me",
         "GATE_MARK": SLOW_MARK,
+        "FLIP": FLIP,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     cmd = [
@@ -69,12 +83,18 @@ def tp_out(tiny_model, tmp_path_factory) -> Path:
         str(free_port()),
         "--log-dir",
         str(out / "torchrun"),
+        "--tee",
+        "3",  # each rank's stdout and stderr also in its own file
         str(Path(__file__).with_name("tp_driver.py")),
         str(tiny_model),
         str(requests),
         str(out),
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
+    remove_unmapped_vllm_shm()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
+    finally:
+        remove_unmapped_vllm_shm()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return out
 
@@ -91,7 +111,11 @@ def tp_times(tp_out) -> dict[int, dict[str, float]]:
 
 def test_both_ranks_agree_and_keep_compiles_async(tp_run) -> None:
     r0, r1 = tp_run[0], tp_run[1]
-    assert r0 == r1  # tokens, finish reasons and the step each request finished in
+    # Tokens, finish reasons and the step each request finished in; the flipped
+    # request's tokens may differ (rank 1 sampled under another mask).
+    assert {k: v for k, v in r0.items() if k != "flip"} == {
+        k: v for k, v in r1.items() if k != "flip"
+    }
     stats = r0["_stats"]
     assert stats["group_size"] == 2 and stats["async"] and stats["num_live"] == 0
     assert stats["collectives"] > 0
@@ -117,12 +141,42 @@ def test_a_compile_failing_on_one_rank_fails_on_both(tp_run) -> None:
         assert all(got[f"after{i}"]["reason"] in ("stop", "length") for i in range(3))
 
 
+def test_a_mask_divergence_on_one_tp_rank_is_caught_and_named(tp_run, tp_times, tp_out) -> None:
+    """Rank 1's row of ``flip`` lost a token: both ranks fail ``flip`` alike, the rest run on."""
+    assert tp_times[1]["flipped"] and not tp_times[0]["flipped"]
+    mismatches = tp_run[0]["_stats"]["mismatches"]
+    assert mismatches == tp_run[1]["_stats"]["mismatches"]
+    # The first names the flipped row; a later window may find ``flip`` again
+    # (rank 1 may have sampled another token), never another request.
+    assert mismatches and all(m[2] == "flip" for m in mismatches), mismatches
+    step, ranks, request_id, position = mismatches[0]
+    assert (ranks, request_id, position) == ([1], "flip", 2)
+    assert tp_run[0]["_stats"]["digested_steps"] == tp_run[1]["_stats"]["digested_steps"] > step
+    for rank in (0, 1):
+        got = tp_run[rank]
+        assert got["flip"]["reason"] == "error"
+        assert len(got["flip"]["tokens"]) < FLIP_TOKENS
+        for rid in ("beside0", "beside1"):
+            assert got[rid]["reason"] == "length" and len(got[rid]["tokens"]) == FLIP_TOKENS
+    # Each rank's log has the error line naming the request, the code, the step and the ranks.
+    line = re.compile(rf"request flip-\w+: tp_mask_mismatch: step {step}: TP ranks \[1\] ")
+    for rank in (0, 1):
+        logs = [
+            p.read_text(errors="replace") for p in (tp_out / "torchrun").rglob(f"{rank}/std*.log")
+        ]
+        assert any(line.search(text) for text in logs), (rank, [t[-2000:] for t in logs])
+
+
 def test_tp_outputs_equal_the_one_process_run(tp_run, engines) -> None:
     llm = engines.get("gramcoord")
     batches = _requests()
     for batch in batches:
-        kept = [r for r in batch if r["id"] != "fault"]
-        got = _run(llm, [_params(r["schema"], max_tokens=r["max_tokens"]) for r in kept])
+        kept = [r for r in batch if r["id"] not in ("fault", "flip")]
+        params = [
+            _params(r["schema"], max_tokens=r["max_tokens"], ignore_eos=r.get("ignore_eos", False))
+            for r in kept
+        ]
+        got = _run(llm, params)
         for r, (tokens, reason) in zip(kept, got):
             assert tp_run[0][r["id"]]["tokens"] == tokens, r["id"]
             assert tp_run[0][r["id"]]["reason"] == reason, r["id"]

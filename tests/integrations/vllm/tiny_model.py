@@ -7,11 +7,20 @@ CPU attention refuses 16) and 2 KV heads, so TP=2 splits it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gramcoord.benchmarks._vllm_common import EOS_ID
 from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model as build_tiny_model
 from gramcoord.launch.procs import free_port
 
-__all__ = ["CPU_ENV", "ENGINE_KW", "EOS_ID", "build_tiny_model", "free_port"]
+__all__ = [
+    "CPU_ENV",
+    "ENGINE_KW",
+    "EOS_ID",
+    "build_tiny_model",
+    "free_port",
+    "remove_unmapped_vllm_shm",
+]
 
 # What vLLM's CPU build needs here (docs/vllm.md, Tests); set before importing vLLM.
 CPU_ENV = {
@@ -28,3 +37,33 @@ ENGINE_KW: dict[str, object] = {
     "enforce_eager": True,
     "seed": 0,
 }
+
+
+def remove_unmapped_vllm_shm() -> list[str]:
+    """Remove vLLM CPU shared-memory segments that no live process maps.
+
+    vLLM's CPU TP communicator names its segments after the group alone
+    (``-tp:0-[0-1]-cpushm_0`` under torchrun) and creates them exclusively:
+    one left by a killed run makes every later TP run fail ("create shm in
+    SHMManager failed. errno: 17"). The TP and DP tests call this before and
+    after their runs; a segment some process still maps is left alone.
+    """
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    segments = [p for p in shm.iterdir() if "-cpushm" in p.name]
+    if not segments:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue
+        mapped.update(p.name for p in segments if p.name in text)
+    removed = []
+    for p in segments:
+        if p.name not in mapped:
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed

@@ -17,6 +17,13 @@ test's environment:
   gate would time out.
 - ``FAIL_MARK`` (``RANK:TEXT``): on that rank, a spec containing ``TEXT``
   fails to compile.
+
+and one into the TP mask digests:
+
+- ``FLIP`` (``RANK:REQUEST:POSITION``): on that rank, the bitmask row of
+  that request at that output position loses one allowed token before it
+  is digested and applied (``tp_digest.flip_one_bit``): the ranks' masks
+  differ, and the digests must catch it.
 """
 
 from __future__ import annotations
@@ -47,6 +54,24 @@ def _inject(rank: int, gate: threading.Event, held: dict[str, bool]) -> None:
         return compiled
 
     GramcoordBackend._compile_spec = injected
+    flip_rank, flip_rid, flip_pos = (os.environ.get("FLIP", "") or "-1::0").split(":")
+    if int(flip_rank) != rank:
+        return
+    from gramcoord.integrations.vllm.tp_digest import MaskDigests, flip_one_bit, row_digests
+
+    observe = MaskDigests.observe
+
+    def flipped(self, scheduler, scheduler_output, grammar_output):
+        if grammar_output is not None:
+            digests = row_digests(grammar_output.grammar_bitmask)
+            rows = self._positions(scheduler, scheduler_output, grammar_output, digests)
+            for i, (rid, pos, _) in enumerate(rows):
+                # vLLM's internal id: the caller's, plus "-" and a random suffix.
+                if rid.rsplit("-", 1)[0] == flip_rid and pos == int(flip_pos):
+                    held["flipped_row"] = flip_one_bit(grammar_output.grammar_bitmask[i : i + 1])
+        return observe(self, scheduler, scheduler_output, grammar_output)
+
+    MaskDigests.observe = flipped
 
 
 def main() -> None:
@@ -82,6 +107,7 @@ def main() -> None:
             params = SamplingParams(
                 temperature=0.0,
                 max_tokens=r["max_tokens"],
+                ignore_eos=r.get("ignore_eos", False),
                 structured_outputs=StructuredOutputsParams(json=r["schema"]),
             )
             engine.add_request(r["id"], r["prompt"], params)
@@ -113,7 +139,15 @@ def main() -> None:
         "group_size": backend.leader.group_size,
         "collectives": backend.leader.num_collectives,
         "async": scheduler.structured_output_manager._use_async_grammar_compilation,
+        "mismatches": [
+            [m.step, list(m.ranks), m.request_id.rsplit("-", 1)[0], m.position]
+            for m in backend.digests.mismatches
+        ],
+        "digested_steps": backend.digests.steps,
     }
+    times["flipped"] = held.get("flipped_row") is not None
+    times["digest_s"] = backend.digests.seconds
+    times["engine_s"] = round(time.monotonic() - t0, 3)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     (out / f"rank{rank}.times.json").write_text(json.dumps(times))
 
