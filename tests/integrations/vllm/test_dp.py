@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.integrations.vllm.dp_driver import POISON_MARK
-from tests.integrations.vllm.tiny_model import free_port, remove_unmapped_vllm_shm
+from tests.integrations.vllm.tiny_model import free_port, vllm_cpu_shm
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,11 +48,8 @@ def dp_run(tiny_model, tmp_path_factory) -> dict[int, dict[str, Any]]:
         str(tiny_model),
         str(out),
     ]
-    remove_unmapped_vllm_shm()
-    try:
+    with vllm_cpu_shm():
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
-    finally:
-        remove_unmapped_vllm_shm()
     logs = "".join(p.read_text(errors="replace")[-4000:] for p in out.rglob("std*.log"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + logs
     return {r: json.loads((out / f"replica{r}.json").read_text()) for r in (0, 1)}

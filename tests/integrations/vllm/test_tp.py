@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from tests.integrations.vllm.conftest import fast_schemas, schema
 from tests.integrations.vllm.test_engine import PROMPT, _params, _run
-from tests.integrations.vllm.tiny_model import free_port, remove_unmapped_vllm_shm
+from tests.integrations.vllm.tiny_model import free_port, vllm_cpu_shm
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -90,11 +90,8 @@ def tp_out(tiny_model, tmp_path_factory) -> Path:
         str(requests),
         str(out),
     ]
-    remove_unmapped_vllm_shm()
-    try:
+    with vllm_cpu_shm():
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
-    finally:
-        remove_unmapped_vllm_shm()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return out
 

@@ -7,6 +7,9 @@ CPU attention refuses 16) and 2 KV heads, so TP=2 splits it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 from gramcoord.benchmarks._vllm_common import EOS_ID
@@ -20,6 +23,7 @@ __all__ = [
     "build_tiny_model",
     "free_port",
     "remove_unmapped_vllm_shm",
+    "vllm_cpu_shm",
 ]
 
 # What vLLM's CPU build needs here (docs/vllm.md, Tests); set before importing vLLM.
@@ -67,3 +71,22 @@ def remove_unmapped_vllm_shm() -> list[str]:
             p.unlink(missing_ok=True)
             removed.append(p.name)
     return removed
+
+
+@contextlib.contextmanager
+def vllm_cpu_shm() -> Iterator[None]:
+    """Hold the machine's vLLM CPU shared-memory names for one multi-rank run.
+
+    Two test runs on one machine (two checkouts, or CI beside a developer)
+    would create the same fixed segment names at once; an exclusive lock
+    makes their multi-rank vLLM runs take turns, and segments a killed run
+    left are removed before and after.
+    """
+    with open("/tmp/gramcoord-vllm-cpushm.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        remove_unmapped_vllm_shm()
+        try:
+            yield
+        finally:
+            remove_unmapped_vllm_shm()
+            fcntl.flock(lock, fcntl.LOCK_UN)
