@@ -59,6 +59,7 @@ from gramcoord.launch.procs import free_port, run_procs, run_ranks
 from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from tests.integrations import hf_ranks
+from tests.procs import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 24
@@ -231,22 +232,7 @@ def test_single_process_example_runs():
 def test_torchrun_example_two_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "--log-dir",
-        str(tmp_path / "torchrun"),
-        EXAMPLE,
-        "--max-new-tokens",
-        "8",
-    ]
+    cmd = torchrun_command(EXAMPLE, "--max-new-tokens", "8", log_dir=tmp_path / "torchrun")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.integrations.vllm.dp_driver import POISON_MARK
-from tests.integrations.vllm.tiny_model import free_port, vllm_cpu_shm
+from tests.integrations.vllm.tiny_model import vllm_cpu_shm
+from tests.procs import torchrun_command
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -32,22 +32,12 @@ def dp_run(tiny_model, tmp_path_factory) -> dict[int, dict[str, Any]]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "--log-dir",
-        str(out / "torchrun"),
-        str(Path(__file__).with_name("dp_driver.py")),
+    cmd = torchrun_command(
+        Path(__file__).with_name("dp_driver.py"),
         str(tiny_model),
         str(out),
-    ]
+        log_dir=out / "torchrun",
+    )
     with vllm_cpu_shm():
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
     logs = "".join(p.read_text(errors="replace")[-4000:] for p in out.rglob("std*.log"))

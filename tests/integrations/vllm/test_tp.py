@@ -7,7 +7,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ pytest.importorskip("vllm")
 
 from tests.integrations.vllm.conftest import fast_schemas, schema
 from tests.integrations.vllm.test_engine import PROMPT, _params, _run
-from tests.integrations.vllm.tiny_model import free_port, vllm_cpu_shm
+from tests.integrations.vllm.tiny_model import vllm_cpu_shm
+from tests.procs import torchrun_command
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,25 +71,14 @@ def tp_out(tiny_model, tmp_path_factory) -> Path:
         "FLIP": FLIP,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "--log-dir",
-        str(out / "torchrun"),
-        "--tee",
-        "3",  # each rank's stdout and stderr also in its own file
-        str(Path(__file__).with_name("tp_driver.py")),
+    cmd = torchrun_command(
+        Path(__file__).with_name("tp_driver.py"),
         str(tiny_model),
         str(requests),
         str(out),
-    ]
+        log_dir=out / "torchrun",
+        tee=True,  # the test reads each rank's log
+    )
     with vllm_cpu_shm():
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
