@@ -84,10 +84,13 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # finished output against the schema (false, the default): an output
     # that breaks it fails with output_schema_mismatch, never as ok.
     reject_ignored_features: bool = False
-    # How a refusal of such features ends: the way to accept them unenforced
-    # on the host that prints it. An embedding host sets its own words (the
-    # vLLM plugin says vLLM cannot; the SGLang backend names its option).
-    unenforced_hint: str = "set grammar.reject_ignored_features=false to accept them unenforced"
+    # How a refusal of such features ends: what the client can do, on the
+    # host that prints it. An embedding host sets its own words (the vLLM
+    # plugin says vLLM cannot accept them; the SGLang backend names its option).
+    unenforced_hint: str = (
+        "Remove these keywords, or set grammar.reject_ignored_features=false "
+        "to accept them unenforced"
+    )
     # Hard cap on the serialized spec, in bytes.
     max_spec_bytes: Annotated[int, Meta(ge=64)] = 1 << 20
     # Emit grammar-forced strings without a model step.

@@ -95,9 +95,10 @@ _TIMED_OUT = "Grammar preprocessing timed out"
 # The end of a refusal of features xgrammar would not enforce, under SGLang:
 # only an embedder's config turns the refusal on, and the same place turns it off.
 UNENFORCED_HINT = (
-    "under SGLang build the backend with grammar_config(reject_ignored_features=False) "
-    "(gramcoord.integrations.sglang.backend), as the server's --grammar-backend gramcoord "
-    "does; SGLang's launch has no flag for gramcoord's options"
+    "Remove these keywords, or build the backend with "
+    "grammar_config(reject_ignored_features=False) (gramcoord.integrations.sglang.backend), "
+    "as SGLang's --grammar-backend gramcoord does; SGLang's launch has no flag for "
+    "gramcoord's options"
 )
 
 

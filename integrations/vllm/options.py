@@ -56,10 +56,10 @@ SECTIONS = ("grammar", "faults", "distributed")
 NAME_KEY = "gramcoord"
 # The end of a refusal of features xgrammar would not enforce, under vLLM.
 UNENFORCED_HINT = (
-    "under vLLM they cannot be accepted unenforced: vLLM has no hook that sees a "
-    "finished output, so the check that would catch a breach cannot run, and "
-    "grammar.reject_ignored_features is always true here (an --additional-config "
-    "that sets it stops the server at start)"
+    "Remove these keywords: vLLM cannot accept them unenforced (it has no hook that "
+    "sees a finished output, so no check could catch a breach; "
+    "grammar.reject_ignored_features is always true under vLLM, and an "
+    "--additional-config that sets it stops the server at start)"
 )
 _WHY_NOT = {
     "reject_ignored_features": "always true under vLLM: vLLM has no hook that sees a "

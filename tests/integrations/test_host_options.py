@@ -82,7 +82,7 @@ def test_the_refusal_hint_can_be_followed_on_each_host() -> None:
     # vLLM: no way exists there, and the hint says so; the option it would
     # take is refused at start, naming the field.
     vllm = _refusal(front_end_config(False))
-    assert vllm.endswith(UNENFORCED_HINT) and "cannot be accepted unenforced" in vllm
+    assert vllm.endswith(UNENFORCED_HINT) and "vLLM cannot accept them unenforced" in vllm
     assert "reject_ignored_features=false to accept" not in vllm
     with pytest.raises(OptionsError, match="reject_ignored_features: always true under vLLM"):
         parse({"grammar": {"reject_ignored_features": False}})

@@ -204,7 +204,7 @@ def test_refused_schema_is_a_400_whose_hint_holds_under_vllm(server: Server) -> 
     assert info.value.status_code == 400
     message = info.value.body["message"]
     assert "gramcoord refused the structured output request (schema_unsupported_feature)" in message
-    assert message.endswith(UNENFORCED_HINT), message
+    assert f"{UNENFORCED_HINT} (parameter=structured_outputs)" in message, message
     _still_serving(server)
 
 
