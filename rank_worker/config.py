@@ -84,6 +84,13 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # finished output against the schema (false, the default): an output
     # that breaks it fails with output_schema_mismatch, never as ok.
     reject_ignored_features: bool = False
+    # How a refusal of such features ends: what the client can do, on the
+    # host that prints it. An embedding host sets its own words (the vLLM
+    # plugin says vLLM cannot accept them; the SGLang backend names its option).
+    unenforced_hint: str = (
+        "Remove these keywords, or set grammar.reject_ignored_features=false "
+        "to accept them unenforced"
+    )
     # Hard cap on the serialized spec, in bytes.
     max_spec_bytes: Annotated[int, Meta(ge=64)] = 1 << 20
     # Emit grammar-forced strings without a model step.
@@ -201,6 +208,20 @@ class CompileDelayFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError(f"faults.compile_delay.pattern is not a regex: {exc}") from None
 
 
+class CompileErrorFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Compiles whose spec text matches this regex (re.search) raise instead
+    # of compiling (a compile error, grammar_invalid)...
+    pattern: str
+    # ...on this rank only.
+    rank: Annotated[int, Meta(ge=0)]
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"faults.compile_error.pattern is not a regex: {exc}") from None
+
+
 class ReaderStallFault(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # The TP worker (a rank that reads its leader's rows) that falls behind:
     rank: Annotated[int, Meta(ge=0)]
@@ -231,6 +252,8 @@ class FaultsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     at_step: Annotated[int, Meta(ge=0)] = 0
     # Delay or hang the compile of matching keys on one rank.
     compile_delay: CompileDelayFault | None = None
+    # Fail the compile of matching keys on one rank, as a compile error.
+    compile_error: CompileErrorFault | None = None
     # A TP worker that stops giving its ring slots back for a while.
     stall_reader: ReaderStallFault | None = None
     # Every N-th control frame a bitmask writer sends is corrupted: an shm
@@ -247,6 +270,7 @@ class FaultsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "faults.kill_rank": self.kill_rank,
             "faults.hang_rank": self.hang_rank,
             "faults.compile_delay.rank": self.compile_delay and self.compile_delay.rank,
+            "faults.compile_error.rank": self.compile_error and self.compile_error.rank,
             "faults.stall_reader.rank": self.stall_reader and self.stall_reader.rank,
             "faults.flip_mask_bit.rank": self.flip_mask_bit and self.flip_mask_bit.rank,
         }

@@ -14,6 +14,9 @@ What each fault does (and what must notice it):
   never returns); the compile deadline must turn it into
   ``grammar_timeout``, poison it for ``poison_ttl_s``, and admit it again
   once the poison expires.
+- ``compile_error``: the compile of a matching key raises; the request
+  fails with ``grammar_invalid`` and the exception's text, on every rank
+  of its group (a host's client sees the code and the message).
 - ``stall_reader``: a TP worker stops releasing the ring slots it read
   (it still computes; it has fallen behind on giving rows back); the
   writer runs out of slots and must raise ``TransportTimeout`` naming it.
@@ -75,6 +78,24 @@ class DelayedCompile:
         return self._inner(spec)
 
 
+class FailingCompile:
+    """A compile backend whose matching compiles raise (a compile error)."""
+
+    def __init__(self, inner: Callable[[Any], Any], pattern: str, rank: int):
+        self._inner = inner
+        self._pattern = re.compile(pattern)
+        self._rank = rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __call__(self, spec: Any) -> Any:
+        if self._pattern.search(spec.text):
+            logger.warning("fault: failing the compile of %s on rank %d", spec.kind, self._rank)
+            raise RuntimeError(f"fault injected on rank {self._rank}: faults.compile_error")
+        return self._inner(spec)
+
+
 class RankFaults:
     """The faults of one rank; every query is cheap when nothing is set."""
 
@@ -84,6 +105,8 @@ class RankFaults:
         self.hang_step = config.at_step if config.hang_rank == rank else -1
         delay = config.compile_delay
         self.compile_delay = delay if delay is not None and delay.rank == rank else None
+        error = config.compile_error
+        self.compile_error = error if error is not None and error.rank == rank else None
         stall = config.stall_reader
         self.stall = stall if stall is not None and stall.rank == rank else None
         self._stall_since: float | None = None
@@ -112,7 +135,11 @@ class RankFaults:
                 time.sleep(3600)
 
     def wrap_compile(self, backend: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``backend``, delayed as ``compile_delay`` says (itself when unset)."""
+        """``backend``, failed or delayed as ``compile_error`` and ``compile_delay``
+        say (itself when both are unset)."""
+        e = self.compile_error
+        if e is not None:
+            backend = FailingCompile(backend, e.pattern, self.rank)
         d = self.compile_delay
         if d is None:
             return backend

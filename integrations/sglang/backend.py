@@ -92,6 +92,14 @@ logger = logging.getLogger(__name__)
 # SGLang's json_schema value for "any JSON".
 ANY_JSON = "$$ANY$$"
 _TIMED_OUT = "Grammar preprocessing timed out"
+# The end of a refusal of features xgrammar would not enforce, under SGLang:
+# only an embedder's config turns the refusal on, and the same place turns it off.
+UNENFORCED_HINT = (
+    "Remove these keywords, or build the backend with "
+    "grammar_config(reject_ignored_features=False) (gramcoord.integrations.sglang.backend), "
+    "as SGLang's --grammar-backend gramcoord does; SGLang's launch has no flag for "
+    "gramcoord's options"
+)
 
 
 def grammar_config(**options: Any) -> GrammarConfig:
@@ -105,6 +113,7 @@ def grammar_config(**options: Any) -> GrammarConfig:
     options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
     options.setdefault("compile_nice", 10)
     options.setdefault("reject_ignored_features", False)
+    options.setdefault("unenforced_hint", UNENFORCED_HINT)
     return msgspec.convert({**options, "compile_mode": "async"}, GrammarConfig)
 
 

@@ -13,13 +13,11 @@ here is vLLM's: its compile calls, its grammar objects, its call sites.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import torch
 import xgrammar as xgr
 from vllm.v1.structured_output.backend_types import (
@@ -29,10 +27,9 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
-from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.integrations.vllm.options import front_end_config, grammar_config, parse
 from gramcoord.integrations.vllm.replicas import replica_poison
 from gramcoord.integrations.vllm.tp_digest import MaskDigests
-from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
@@ -44,25 +41,16 @@ from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
 from gramcoord.rank_worker.session.futures import GrammarFutures
 from gramcoord.rank_worker.session.leader import StageLeader
 
-__all__ = ["GramcoordBackend", "GramcoordGrammar", "GrammarInitError", "grammar_config"]
+__all__ = [
+    "GramcoordBackend",
+    "GramcoordGrammar",
+    "GrammarInitError",
+    "front_end_config",
+    "grammar_config",
+]
 
 logger = logging.getLogger(__name__)
 
-# Options of additional_config["gramcoord"]["grammar"] that do not change
-# which specs are accepted (the front end validates with the defaults).
-_ENGINE_OPTIONS = frozenset(
-    {
-        "compile_timeout_s",
-        "compile_nice",
-        "num_compile_workers",
-        "num_stuck_compiles",
-        "poison_ttl_s",
-        "cache_limit_mb",
-        "num_cache_entries",
-        "num_poison_entries",
-        "max_pending",
-    }
-)
 _KIND_TO_VLLM = {
     "json": StructuredOutputOptions.JSON,
     "json_object": StructuredOutputOptions.JSON_OBJECT,
@@ -73,38 +61,6 @@ _KIND_TO_VLLM = {
 }
 
 
-def grammar_config(disable_any_whitespace: bool, options: dict[str, Any] | None = None):
-    """The ``GrammarConfig`` for vLLM: vLLM's whitespace rule, a compile pool of 2+
-    whose threads run at nice +10.
-
-    ``options`` (``additional_config["gramcoord"]["grammar"]``) may set only
-    engine-side options; spec rules stay the defaults the front end checks.
-    """
-    options = dict(options or {})
-    bad = sorted(set(options) - _ENGINE_OPTIONS)
-    if bad:
-        raise ValueError(
-            f"additional_config['gramcoord']['grammar'] may set only {sorted(_ENGINE_OPTIONS)}; "
-            f"got {bad}"
-        )
-    # One slow compile must not queue the fast ones behind it, nor starve
-    # the engine loop of CPU (compile threads yield to the loop).
-    options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
-    options.setdefault("compile_nice", 10)
-    # vLLM has no hook that sees a finished output, so nothing can be
-    # checked at the end: what xgrammar would not enforce is refused at
-    # vLLM's front end instead.
-    return msgspec.convert(
-        {
-            **options,
-            "compile_mode": "async",
-            "any_whitespace": not disable_any_whitespace,
-            "reject_ignored_features": True,
-        },
-        GrammarConfig,
-    )
-
-
 class GrammarInitError(RuntimeError):
     """Why a request's grammar will never be ready; the same text on every rank."""
 
@@ -112,12 +68,7 @@ class GrammarInitError(RuntimeError):
         super().__init__(f"gramcoord: request {request_id!r}: {code}: {message}")
         self.request_id = request_id
         self.code = code
-
-
-@functools.cache
-def front_end_config(disable_any_whitespace: bool) -> GrammarConfig:
-    """The config vLLM's front end validates every request with (made once per option)."""
-    return grammar_config(disable_any_whitespace)
+        self.message = message
 
 
 def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[str, Any]:
@@ -151,13 +102,12 @@ class GramcoordBackend(StructuredOutputBackend):
         self.vocab_size = self.host.vocab_size
         self.num_speculative_tokens = self.host.num_speculative_tokens
         so = self.vllm_config.structured_outputs_config
-        extra = (self.vllm_config.additional_config or {}).get("gramcoord", {})
-        self.config = grammar_config(so.disable_any_whitespace, extra.get("grammar"))
+        extra = (self.vllm_config.additional_config or {}).get("gramcoord")
+        options = parse(extra, bool(so.disable_any_whitespace))  # checked at start too
+        self.config = options.grammar
         self.global_rank = int(os.environ.get("RANK", "0"))
-        faults = RankFaults.of(
-            msgspec.convert(extra.get("faults", {}), FaultsConfig), self.global_rank
-        )
-        distributed = msgspec.convert(extra.get("distributed", {}), DistributedConfig)
+        faults = RankFaults.of(options.faults, self.global_rank)
+        distributed = options.distributed
         vocab = f"vllm:{self.vllm_config.model_config.tokenizer}:{self.vocab_size}"
         manager = GrammarManager(
             self.config, HostVocabulary(vocab), compile_fn=faults.wrap_compile(self._compile_spec)

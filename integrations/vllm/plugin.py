@@ -109,12 +109,47 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "TP mask digests: each TP rank's bitmask rows, once per engine step",
     ),
     (
+        "vllm.engine.arg_utils",
+        "EngineArgs.create_engine_config",
+        ("self", "usage_context", "headless"),
+        "options.py: additional_config['gramcoord'] is checked before any engine starts",
+    ),
+    (
         "vllm.v1.core.sched.scheduler",
         "Scheduler.update_from_output",
         ("self", "scheduler_output", "model_runner_output"),
-        "finishes grammar_compile_error_reqs with FINISHED_ERROR: so fails a request "
-        "whose TP masks differ",
+        "failures.py: the FINISHED_ERROR output of a request in grammar_compile_error_reqs "
+        "gets stop_reason 'gramcoord <code>: <message>'; one log line (a request whose TP "
+        "masks differ fails that way too)",
     ),
+    (
+        "vllm.v1.structured_output.request",
+        "StructuredOutputRequest._grammar",
+        None,
+        "failures.py: where a grammar Future that raised leaves its exception",
+    ),
+    (
+        "vllm.v1.engine.output_processor",
+        "RequestState.make_request_output",
+        (
+            "self",
+            "new_token_ids",
+            "pooling_output",
+            "finish_reason",
+            "stop_reason",
+            "kv_transfer_params",
+            "ec_transfer_params",
+            "error",
+        ),
+        "failures.py: a server request's payload becomes a GracefulHTTPError in its queue",
+    ),
+    (
+        "vllm.exceptions",
+        "GracefulHTTPError",
+        ("message", "http_status"),
+        "failures.py: subclassed; vLLM's serving layer answers with its status and message",
+    ),
+    ("vllm.v1.engine", "FinishReason.ERROR", None, "failures.py: a request vLLM failed"),
 )
 
 
@@ -317,5 +352,9 @@ def register() -> None:
     _wrap_manager()
     _wrap_scheduler()
     _wrap_dp_step()
+    from gramcoord.integrations.vllm import failures, options
+
+    options.install()  # a bad additional_config['gramcoord'] stops the start
+    failures.install()  # a grammar failed in the engine reaches the client
     _registered = True
     logger.info("gramcoord: registered the %r structured-output backend", NAME)

@@ -30,23 +30,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgspec
-
-from gramcoord.coordinator.config import DistributedConfig
+from gramcoord.integrations.vllm.options import parse
 from gramcoord.rank_worker.session.replicas import ReplicaPoison
 
-__all__ = ["distributed_config", "replica_poison", "reset", "shares_poison", "sync_replicas"]
+__all__ = ["replica_poison", "reset", "shares_poison", "sync_replicas"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = "gramcoord"
 _poison: ReplicaPoison | None = None
-
-
-def distributed_config(vllm_config: Any) -> DistributedConfig:
-    """``additional_config["gramcoord"]["distributed"]``, typed."""
-    extra = (vllm_config.additional_config or {}).get("gramcoord", {})
-    return msgspec.convert(extra.get("distributed", {}), DistributedConfig)
 
 
 def shares_poison(vllm_config: Any) -> bool:
@@ -67,7 +59,7 @@ def replica_poison(vllm_config: Any) -> ReplicaPoison | None:
     if _poison is None and shares_poison(vllm_config):
         from vllm.distributed.parallel_state import get_dp_group
 
-        distributed = distributed_config(vllm_config)
+        distributed = parse((vllm_config.additional_config or {}).get("gramcoord")).distributed
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             logger.warning(
                 "gramcoord: poison is shared between DP replicas rank by rank of their TP "

@@ -19,9 +19,10 @@ with structured rows:
   TP group's ``cpu_group`` without waiting, and settles the window posted
   before. Only after a mismatch does one more exchange name the first
   differing row;
-- the mismatched request fails on every rank alike, at the same step
-  (``tp_mask_mismatch``, one error line naming the step, the request and the
-  ranks); the other requests run on.
+- the mismatched request fails on every rank alike, at the same step, with
+  ``tp_mask_mismatch`` and a message naming the step, the request, the
+  position and the ranks (``failures.py`` carries it to the client and logs
+  one line); the other requests run on.
 
 Steps are the engine steps with structured rows: every TP rank has the
 same (the agreement admits the same requests in the same step on every
@@ -158,8 +159,10 @@ class MaskDigests:
         self.mismatches.append(found)
         message = found.describe(self._check.first)
         rid = found.request_id
-        logger.error("gramcoord: request %s: tp_mask_mismatch: %s", rid, message)
         if rid in scheduler.requests:
             self.failed[rid] = (ErrorCode.tp_mask_mismatch, message)
-            # vLLM finishes these with FINISHED_ERROR in update_from_output.
+            # vLLM finishes these with FINISHED_ERROR in update_from_output,
+            # where failures.py gives the output its code and message and logs it.
             scheduler.grammar_compile_error_reqs.add(rid)
+        else:
+            logger.error("gramcoord: request %s (ended): tp_mask_mismatch: %s", rid, message)

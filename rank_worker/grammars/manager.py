@@ -363,8 +363,12 @@ class GrammarManager:
         """Whether this rank's compile of a pending request has ended (well or not).
 
         True as well for a request no longer pending (decided, or unknown):
-        only the decision in ``step`` says what becomes of it.
+        only the decision in ``step`` says what becomes of it. Deadlines are
+        enforced here too: a host that only polls this (SGLang's ``done()``)
+        until every rank says yes sees a compile past its deadline end, as
+        ``grammar_timeout``, and never waits on its own cruder timeout.
         """
+        self.service.poll()
         seq = self._seq_of.get(request_id)
         entry = self._pending.get(seq) if seq is not None else None
         if entry is None:

@@ -87,8 +87,7 @@ def schema_text(
         if config.reject_ignored_features:
             raise SpecError(
                 ErrorCode.schema_unsupported_feature,
-                f"xgrammar would not enforce: {detail}{more}. Remove these keywords, or set "
-                "grammar.reject_ignored_features=false to accept them unenforced",
+                f"xgrammar would not enforce: {detail}{more}. {config.unenforced_hint}",
             )
         warnings.append(f"{WarningCode.ignored_feature}: {detail}{more}")
     if found.remote_refs:

@@ -122,7 +122,7 @@ def build_roles(
     max_seqs = config.scheduler.max_num_seqs
     if is_leader or (is_follower and followers == "fill"):
         compile_fn = None
-        if faults.compile_delay is not None:
+        if faults.compile_delay is not None or faults.compile_error is not None:
             limit = int(config.grammar.cache_limit_mb * 2**20)
             compile_fn = faults.wrap_compile(XGrammarBackend(tokenizer, cache_limit_bytes=limit))
         roles.manager = GrammarManager(config.grammar, tokenizer, compile_fn=compile_fn)

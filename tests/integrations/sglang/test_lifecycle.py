@@ -2,8 +2,9 @@
 
 Aborts (``abort_requests``), SGLang's own poll-count timeout (the request
 is cancelled, and ``set_cache`` poisons the key for a TTL where SGLang
-would cache the failure for ever), ``flush_cache`` (``clear``), and the
-setups ``create_backend`` refuses at start.
+would cache the failure for ever), our compile deadline firing while SGLang
+only polls ``done()`` (the abort carries ``grammar_timeout``), ``flush_cache``
+(``clear``), and the setups ``create_backend`` refuses at start.
 """
 
 from __future__ import annotations
@@ -86,6 +87,23 @@ def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
     assert "grammar_timeout: poisoned key" in again.finished_reason
     (entry,) = backend.leader._manager.caches.poison._items.values()
     assert entry.expires_ms > 0  # a TTL, not for ever
+
+
+def test_our_deadline_fires_while_sglang_polls_done(held, manager) -> None:
+    backend = manager.grammar_backend
+    backend.leader._manager.service.timeout_s = 0.5  # compile_timeout_s (30 s by default)
+    manager.SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = 10**6  # SGLang's own timeout: never
+    schema = schemas()[3]
+    log = drive(manager, {0: [Req("d0", schema)]})
+    assert log[-1][1:] == (
+        "d0",
+        "aborted: Failed to compile json grammar: grammar_timeout: "
+        "compile ran past grammar.compile_timeout_s=0.5s",
+    )
+    assert backend.leader.num_live == 0
+    again = Req("d1", schema)
+    assert not manager.process_req_with_grammar(again)  # poisoned for a TTL
+    assert "grammar_timeout" in again.finished_reason
 
 
 def test_flush_cache_drops_compiled_grammars(manager) -> None:

@@ -121,3 +121,17 @@ def test_sglangs_load_plugins_runs_register(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "registered", out.stderr[-3000:]
+
+
+def test_the_refusal_hint_names_sglangs_way() -> None:
+    from gramcoord.integrations.sglang.backend import UNENFORCED_HINT, grammar_config
+    from gramcoord.rank_worker.errors import SpecError
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+
+    unenforced = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    # The server's backend admits it (SGLang's own check and the end check run).
+    validate_spec({"json": unenforced}, grammar_config())
+    with pytest.raises(SpecError) as info:
+        validate_spec({"json": unenforced}, grammar_config(reject_ignored_features=True))
+    assert info.value.message.endswith(UNENFORCED_HINT)
+    assert "grammar_config(reject_ignored_features=False)" in info.value.message

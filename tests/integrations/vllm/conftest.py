@@ -40,7 +40,19 @@ else:
         os.environ.setdefault(_k, _v)
 
 # A loaded 2-core machine compiles the slow schema for tens of seconds.
-GRAMCOORD_CONFIG = {"gramcoord": {"grammar": {"compile_timeout_s": 300}}}
+# Specs containing FAULT_BREAK fail to compile, and those containing
+# FAULT_HANG hang in their compile (test_failures.py); no other spec does.
+FAULT_BREAK = "gramcoord-fault-break"
+FAULT_HANG = "gramcoord-fault-hang"
+GRAMCOORD_CONFIG = {
+    "gramcoord": {
+        "grammar": {"compile_timeout_s": 300},
+        "faults": {
+            "compile_error": {"pattern": FAULT_BREAK, "rank": 0},
+            "compile_delay": {"pattern": FAULT_HANG, "rank": 0, "seconds": 900, "times": 0},
+        },
+    }
+}
 # Dev schemas that vLLM's xgrammar backend and gramcoord both accept (gramcoord refuses
 # in vLLM what xgrammar would not enforce, e.g. Handwritten/pNameFalse's `not`) and
 # that compile in well under a second with the Qwen2.5 vocabulary.

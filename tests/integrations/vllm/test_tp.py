@@ -141,11 +141,14 @@ def test_a_mask_divergence_on_one_tp_rank_is_caught_and_named(tp_run, tp_times, 
     for rank in (0, 1):
         got = tp_run[rank]
         assert got["flip"]["reason"] == "error"
+        assert got["flip"]["stop_reason"].startswith(
+            f"gramcoord tp_mask_mismatch: step {step}: TP ranks [1] "
+        ), got["flip"]
         assert len(got["flip"]["tokens"]) < FLIP_TOKENS
         for rid in ("beside0", "beside1"):
             assert got[rid]["reason"] == "length" and len(got[rid]["tokens"]) == FLIP_TOKENS
     # Each rank's log has the error line naming the request, the code, the step and the ranks.
-    line = re.compile(rf"request flip-\w+: tp_mask_mismatch: step {step}: TP ranks \[1\] ")
+    line = re.compile(rf"request flip-\w+ failed: tp_mask_mismatch: step {step}: TP ranks \[1\] ")
     for rank in (0, 1):
         logs = [
             p.read_text(errors="replace") for p in (tp_out / "torchrun").rglob(f"{rank}/std*.log")

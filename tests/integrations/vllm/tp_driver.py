@@ -125,6 +125,7 @@ def main() -> None:
                     result[o.request_id] = {
                         "tokens": list(c.token_ids),
                         "reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
                         "step": step,
                         "first_step": first[o.request_id],
                     }

@@ -14,8 +14,13 @@ import time
 
 import pytest
 
-from gramcoord.rank_worker.config import CompileDelayFault, FaultsConfig, GrammarConfig
-from gramcoord.rank_worker.faults import DelayedCompile, RankFaults
+from gramcoord.rank_worker.config import (
+    CompileDelayFault,
+    CompileErrorFault,
+    FaultsConfig,
+    GrammarConfig,
+)
+from gramcoord.rank_worker.faults import DelayedCompile, FailingCompile, RankFaults
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 from tests.rank_worker.session_helpers import settle
 
@@ -73,3 +78,26 @@ def test_unset_faults_install_no_hook(tiny_tokenizer):
         0,
     )
     assert not other.per_step and other.wrap_compile(backend) is backend
+
+
+@pytest.mark.timeout(60)
+def test_compile_error_fault_fails_matching_keys_with_grammar_invalid(tiny_tokenizer):
+    config = SessionConfig(
+        grammar=GrammarConfig(num_compile_workers=1),
+        faults=FaultsConfig(compile_error=CompileErrorFault(pattern="break-me", rank=0)),
+    )
+    s = RankSession.local(tiny_tokenizer, config)
+    try:
+        assert isinstance(s._roles.manager.service._compile, FailingCompile)
+        assert s.leader.submit("broken", {"regex": "break-me-[0-9]+"}).status == "pending"
+        assert s.leader.submit("fine", FINE).status == "pending"
+        admitted, failed = settle(s, timeout_s=30)
+        assert [o.request_id for o in admitted] == ["fine"]
+        assert [(o.request_id, o.code) for o in failed] == [("broken", "grammar_invalid")]
+        assert "faults.compile_error" in failed[0].message
+    finally:
+        s.close()
+    # Another rank's fault installs nothing here.
+    backend = object()
+    other = FaultsConfig(compile_error=CompileErrorFault(pattern="x", rank=1))
+    assert RankFaults.of(other, 0).wrap_compile(backend) is backend
