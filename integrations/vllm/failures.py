@@ -138,8 +138,12 @@ def _wrap_scheduler() -> None:
             return outputs
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
+                # A request failed while it ran (a TP mask mismatch) has this
+                # step's token output before its FINISHED_ERROR one.
+                if out.finish_reason != FinishReason.ERROR:
+                    continue
                 error = failed.pop(out.request_id, None)
-                if error is None or out.finish_reason != FinishReason.ERROR:
+                if error is None:
                     continue
                 out.stop_reason = payload(error.code, error.message)
                 logger.warning(
