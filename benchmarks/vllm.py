@@ -19,6 +19,12 @@ the same requests for both backends:
   ``--fast`` small ones; the time until the fast ones have all finished
   (slowest rank, median over rounds), gramcoord's async compile against the
   compile vLLM forces inline under this launcher (target: >= 5x sooner).
+- ``start`` (``_vllm_start``): an offline ``LLM(...)`` and the OpenAI
+  server (spawn to ``/health`` 200) started with each backend, alternated
+  ABBA over ``--start-rounds`` rounds; the baseline is vLLM without the
+  plugin (target: gramcoord within 10%, ratio >= 0.909). Not in the
+  default parts: each start is a fresh engine (a minute on a busy 2-core
+  machine), so ask for it: ``--parts start``.
 
 Ratios are baseline / ours: higher is better. ``--quick`` is a smoke run.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import socket
 import sys
@@ -52,7 +59,10 @@ QUICK = [
     "3",
     "--hol-repeat",
     "1",
+    "--start-rounds",
+    "1",
 ]
+PARTS = ("step", "hol", "start")
 
 
 def vllm_available() -> bool:
@@ -61,12 +71,13 @@ def vllm_available() -> bool:
 
 def _parse(args: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench vllm", description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="step,hol", help="comma-separated: step, hol")
+    p.add_argument("--parts", default="step,hol", help="comma-separated: step, hol, start")
     p.add_argument("--requests", type=int, default=16, help="constrained requests per step round")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=5, help="measured step rounds per phase")
     p.add_argument("--fast", type=int, default=8, help="fast requests beside the slow one")
     p.add_argument("--hol-repeat", type=int, default=2, help="measured head-of-line rounds")
+    p.add_argument("--start-rounds", type=int, default=2, help="start rounds (ABBA pairs)")
     p.add_argument("--quick", action="store_true", help="smallest sizes: a smoke run")
     p.add_argument(
         "--workdir", type=Path, help="model, caches and child logs (default: a temp dir)"
@@ -137,9 +148,9 @@ def run(args: list[str]) -> list[BenchRecord]:
     from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
 
     parts = {p.strip() for p in opts.parts.split(",") if p.strip()}
-    unknown = parts - {"step", "hol"}
+    unknown = parts - set(PARTS)
     if unknown:
-        raise SystemExit(f"--parts: unknown {', '.join(sorted(unknown))}; use step, hol")
+        raise SystemExit(f"--parts: unknown {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="gramcoord-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -149,5 +160,11 @@ def run(args: list[str]) -> list[BenchRecord]:
         records += _step(opts, model, work)
     if "hol" in parts:
         records += _hol(opts, model, work)
+    if "start" in parts:
+        from gramcoord.benchmarks._vllm_start import measure, start_records
+
+        got = measure(model, work, opts.start_rounds, opts.timeout_s)
+        (work / "start.json").write_text(json.dumps(got, indent=1))
+        records += start_records(got)
     print(f"bench vllm: children's logs and JSON in {work}")
     return records

@@ -96,3 +96,31 @@ def test_bench_all_skips_vllm_cleanly_without_it(tmp_path, monkeypatch, capsys) 
     assert json.loads((out / "bench.json").read_text()) == []
     assert "vllm skipped" in capsys.readouterr().out
     assert "skipped: vllm" in (out / "bench.md").read_text()
+
+
+def test_start_runs_abba_and_records_medians_with_pair_ratios() -> None:
+    from gramcoord.benchmarks._vllm_start import START_TARGET, order, start_records
+
+    assert order(2) == ["gramcoord", "xgrammar", "xgrammar", "gramcoord"]
+    got = {
+        "rounds": 3,
+        "llm": {"gramcoord": [20.0, 30.0, 22.0], "xgrammar": [20.0, 27.0, 24.0]},
+        "server": {"gramcoord": [40.0, 44.0, 41.0], "xgrammar": [44.0, 40.0, 41.0]},
+    }
+    llm, server = start_records(got)
+    assert (llm.name, llm.baseline) == ("vllm_start_llm_gramcoord", "vllm_start_llm_xgrammar")
+    assert (llm.median_ms, llm.baseline_median_ms) == (22_000.0, 24_000.0)
+    assert llm.target == START_TARGET == 0.909 and llm.met
+    assert "pair ratios xgrammar/gramcoord: 1.000, 0.900, 1.091" in llm.note
+    assert "VLLM_PLUGINS=''" in llm.note
+    assert server.name == "vllm_start_server_gramcoord" and server.ratio == 1.0
+
+
+def test_start_baseline_loads_no_plugin(tmp_path, monkeypatch) -> None:
+    from gramcoord.benchmarks._vllm_start import child_env
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ours, base = child_env("gramcoord", tmp_path), child_env("xgrammar", tmp_path)
+    assert "VLLM_PLUGINS" not in ours and base["VLLM_PLUGINS"] == ""
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in ours  # vLLM's default engine process
+    assert ours["VLLM_CACHE_ROOT"] == str(tmp_path)
