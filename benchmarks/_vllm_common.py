@@ -142,6 +142,30 @@ class Timers:
         return {k: list(v) for k, v in self.samples.items()}
 
 
+def pin_compiles(cpus: set[int]) -> None:
+    """Run each of vLLM's xgrammar compile calls on ``cpus`` (the benchmark's free-core setup).
+
+    Wraps ``XgrammarBackend.compile_grammar``, the call both backends compile
+    through (vLLM's inline on the engine's thread, gramcoord's on its compile
+    threads): the calling thread gets ``cpus`` for the call, and xgrammar's
+    own threads, started inside it, inherit them.
+    """
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    fn = XgrammarBackend.compile_grammar
+
+    @functools.wraps(fn)
+    def pinned(*args: Any, **kwargs: Any) -> Any:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            os.sched_setaffinity(0, before)
+
+    XgrammarBackend.compile_grammar = pinned
+
+
 def setup_env(cache_root: str | os.PathLike[str] | None) -> None:
     """vLLM's CPU environment; in-process engine. Call before importing vLLM."""
     os.environ.update(cpu_env(cache_root))

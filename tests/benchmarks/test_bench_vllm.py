@@ -29,18 +29,18 @@ def _step(backend: str, step_ms: float, outputs: list[list[int]]) -> dict:
         "max_tokens": 8,
         "repeat": 1,
         "samples": {
-            "constrained": {"step": [step_ms] * 4, **parts},
-            "plain": {"step": [step_ms / 2] * 4, "forward": [1.0] * 4},
+            "constrained": {"step": [step_ms] * 4, "hook": [0.5] * 4, **parts},
+            "plain": {"step": [step_ms / 2] * 4, "hook": [0.01] * 4, "forward": [1.0] * 4},
         },
         "outputs": outputs,
     }
 
 
-def _hol_rank(rank: int, fast_ms: float, slow_ms: float) -> dict:
+def _hol_rank(rank: int, fast_ms: float, slow_ms: float, first_ms: float = 0.0) -> dict:
     rounds = [
         {
             "fast_done_ms": fast_ms,
-            "fast_first_token_ms": fast_ms / 2,
+            "fast_first_token_ms": first_ms or fast_ms / 2,
             "slow_done_ms": slow_ms,
             "tokens": {"slow": [1]},
             "warmup": w,
@@ -61,21 +61,46 @@ def test_step_records_compare_backends_and_break_the_step_down() -> None:
     overhead = records[1]
     assert overhead.name == "vllm_step_grammar_overhead_gramcoord"
     assert (overhead.median_ms, overhead.baseline_median_ms) == (8.0, 10.0)
-    plain = {r.name: r for r in records[2:4]}
+    plain = {r.name: r for r in records[2:5]}
     assert plain["vllm_step_constrained_gramcoord"].ratio == pytest.approx(0.5)
+    # The plain steps of the two engines, side by side.
+    both = plain["vllm_step_plain_gramcoord"]
+    assert (both.median_ms, both.baseline_median_ms) == (8.0, 10.0)
+    assert both.baseline == "vllm_step_plain_xgrammar"
+    hooks = {r.name: r for r in records[5:7]}
+    assert hooks["vllm_step_hook_plain_gramcoord"].median_ms == pytest.approx(0.01)
+    assert hooks["vllm_step_hook_plain_gramcoord"].baseline_median_ms == 8.0
+    assert "0.12% of the step time" in hooks["vllm_step_hook_plain_gramcoord"].note
+    assert hooks["vllm_step_hook_constrained_gramcoord"].median_ms == pytest.approx(0.5)
     assert all(r.target is None for r in records[1:])
-    parts = {r.name for r in records[4:]}
+    parts = {r.name for r in records[7:]}
     assert parts == {f"vllm_step_part_{p}_{b}" for p in PARTS for b in ("gramcoord", "xgrammar")}
 
 
 def test_hol_record_is_the_slowest_rank_median_without_the_warmup() -> None:
     gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
     xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
-    rec, admitted = hol_records(xg, gc)
+    rec, admitted, decode = hol_records(xg, gc)
+    assert rec.name == "vllm_tp2_fast_done_gramcoord"
     assert rec.median_ms == 1000.0 and rec.baseline_median_ms == 6000.0
     assert admitted.median_ms == 500.0 and admitted.target is None
     assert rec.target == HOL_TARGET and rec.met is True
     assert "identical across ranks" in rec.note and "2 rounds" in rec.note
+    assert "2 shared cores" in rec.note
+    # Decode: done minus first token, the slowest rank of each round.
+    assert decode.median_ms == 500.0 and decode.baseline_median_ms == 3000.0
+
+
+def test_free_core_records_are_named_apart_and_say_where_things_ran() -> None:
+    gc = [_hol_rank(0, 900.0, 5000.0, 100.0), _hol_rank(1, 1000.0, 5100.0, 400.0)]
+    xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
+    rec, admitted, decode = hol_records(xg, gc, free_core=True)
+    assert rec.name == "vllm_tp2_fast_done_gramcoord_free_core"
+    assert rec.baseline == "vllm_tp2_fast_done_xgrammar_sync_free_core"
+    assert rec.target == HOL_TARGET and "CPU 1" in rec.note
+    assert admitted.name == "vllm_tp2_fast_admitted_gramcoord_free_core"
+    assert decode.name == "vllm_tp2_fast_decode_gramcoord_free_core"
+    assert decode.median_ms == 800.0  # max(900 - 100, 1000 - 400)
 
 
 @no_vllm
