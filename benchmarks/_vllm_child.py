@@ -43,6 +43,7 @@ from gramcoord.benchmarks._vllm_common import (
     Timers,
     dev_schemas,
     make_llm,
+    own_shm_names,
     params,
     pin_compiles,
     setup_env,
@@ -171,6 +172,7 @@ def hol_main(argv: list[str]) -> int:
         os.sched_setaffinity(0, parse_cpus(opts.cpus))
     setup_env(opts.cache_root)
     rank = int(os.environ.get("RANK", "0"))
+    own_shm_names(f"gramcoord-bench-{os.environ.get('MASTER_PORT', os.getppid())}")
     llm = make_llm(
         opts.model,
         opts.backend,

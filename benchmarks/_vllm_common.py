@@ -166,6 +166,24 @@ def pin_compiles(cpus: set[int]) -> None:
     XgrammarBackend.compile_grammar = pinned
 
 
+def own_shm_names(tag: str) -> None:
+    """Give this TP job's CPU shared-memory segments names of its own (``tag``).
+
+    vLLM's CPU communicator names them after ``VLLM_DIST_IDENT``, which under
+    the external launcher is the same for every job (``env://``), so a
+    second TP job running beside the first fails with ``create shm in
+    SHMManager failed. errno: 17``. Only the name changes.
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    name = _CPUSHMDistributed.make_group_name
+
+    def tagged(communicator: Any) -> str:
+        return f"{name(communicator)}-{tag}"
+
+    _CPUSHMDistributed.make_group_name = staticmethod(tagged)
+
+
 def setup_env(cache_root: str | os.PathLike[str] | None) -> None:
     """vLLM's CPU environment; in-process engine. Call before importing vLLM."""
     os.environ.update(cpu_env(cache_root))
