@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,9 @@ def step_main(argv: list[str]) -> int:
     constrained = [params(s, opts.max_tokens) for s in schemas]
     plain = [params(None, opts.max_tokens) for _ in schemas]
     samples: dict[str, dict[str, list[float]]] = {"constrained": {}, "plain": {}}
+    # The median step of each measured round, per phase (rounds are alternated
+    # with the other backend's: compare them round by round).
+    per_round: dict[str, list[float]] = {"constrained": [], "plain": []}
     outputs: list[list[int]] = []
     for round_no in range(opts.repeat + 1):
         with turn(opts.turns, opts.backend, round_no):
@@ -100,12 +104,14 @@ def step_main(argv: list[str]) -> int:
                     continue
                 for label, ms in timers.snapshot().items():
                     samples[phase].setdefault(label, []).extend(ms)
+                per_round[phase].append(statistics.median(timers.samples["step"]))
     result: dict[str, Any] = {
         "backend": opts.backend,
         "requests": len(schemas),
         "max_tokens": opts.max_tokens,
         "repeat": opts.repeat,
         "samples": samples,
+        "round_step_ms": per_round,
         "outputs": outputs,
     }
     opts.out.write_text(json.dumps(result))

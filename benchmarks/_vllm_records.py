@@ -55,7 +55,8 @@ def step_records(xg: dict, gc: dict) -> list[BenchRecord]:
             step["xgrammar", "constrained"],
             target=STEP_TARGET,
             note=f"median EngineCore.step, in-process CPU engine, {size}; "
-            f"token ids identical on {same}/{len(gc['outputs'])} requests",
+            f"token ids identical on {same}/{len(gc['outputs'])} requests"
+            + _round_ratios(xg, gc, "constrained"),
         )
     ]
     # Each engine interleaves constrained and plain rounds, so the difference
@@ -88,13 +89,25 @@ def step_records(xg: dict, gc: dict) -> list[BenchRecord]:
             step["gramcoord", "plain"],
             step["xgrammar", "plain"],
             note="median plain step (no structured outputs) of each engine; the code differs "
-            f"only by gramcoord's per-step hook; rounds alternated between the engines; {size}",
+            f"only by gramcoord's per-step hook; rounds alternated between the engines; {size}"
+            + _round_ratios(xg, gc, "plain"),
         )
     )
     out += _hook(gc["samples"], size)
     for backend, run in (("gramcoord", gc), ("xgrammar", xg)):
         out += _breakdown(backend, run["samples"]["constrained"], size)
     return out
+
+
+def _round_ratios(xg: dict, gc: dict, phase: str) -> str:
+    """Each alternated round's ratio (xgrammar's median step / gramcoord's), and their median."""
+    ours = gc.get("round_step_ms", {}).get(phase, [])
+    theirs = xg.get("round_step_ms", {}).get(phase, [])
+    ratios = [t / o for o, t in zip(ours, theirs) if o > 0]
+    if not ratios:
+        return ""
+    listed = ", ".join(f"{r:.2f}" for r in ratios)
+    return f"; per alternated round {listed}x, median {_median(ratios):.2f}x"
 
 
 def _hook(samples: dict[str, dict[str, list[float]]], size: str) -> list[BenchRecord]:

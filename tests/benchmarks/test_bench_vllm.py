@@ -33,6 +33,7 @@ def _step(backend: str, step_ms: float, outputs: list[list[int]]) -> dict:
             "plain": {"step": [step_ms / 2] * 4, "hook": [0.01] * 4, "forward": [1.0] * 4},
         },
         "outputs": outputs,
+        "round_step_ms": {"constrained": [step_ms, step_ms * 2], "plain": [step_ms / 2] * 2},
     }
 
 
@@ -58,6 +59,8 @@ def test_step_records_compare_backends_and_break_the_step_down() -> None:
     assert (head.name, head.baseline) == ("vllm_engine_step_gramcoord", "vllm_engine_step_xgrammar")
     assert head.target == 1.0 and head.met is True and head.ratio == pytest.approx(1.25)
     assert "identical on 1/2" in head.note
+    # Round by round: 20/16 and 40/32.
+    assert "per alternated round 1.25, 1.25x, median 1.25x" in head.note
     overhead = records[1]
     assert overhead.name == "vllm_step_grammar_overhead_gramcoord"
     assert (overhead.median_ms, overhead.baseline_median_ms) == (8.0, 10.0)
