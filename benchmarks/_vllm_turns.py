@@ -94,7 +94,7 @@ def run_in_turns(children: list[Child], rounds: int, folder: Path, timeout_s: fl
             for child in children:
                 (folder / f"{round_no}.{child.name}.go").write_text("go\n")
                 while not child.done(folder, round_no):
-                    _check(children, deadline)
+                    _check(children, folder, rounds, deadline)
                     time.sleep(POLL_S)
         for child in children:
             assert child.proc is not None
@@ -113,12 +113,13 @@ def run_in_turns(children: list[Child], rounds: int, folder: Path, timeout_s: fl
     return time.monotonic() - t0
 
 
-def _check(children: list[Child], deadline: float) -> None:
+def _check(children: list[Child], folder: Path, rounds: int, deadline: float) -> None:
     for child in children:
         assert child.proc is not None
         rc = child.proc.poll()
-        if rc is not None:
-            raise ChildFailed(child, f"exited ({rc}) before its last round")
+        if rc is None or (rc == 0 and child.done(folder, rounds - 1)):
+            continue  # running, or through all its rounds
+        raise ChildFailed(child, f"exited ({rc}) before its last round")
     if time.monotonic() > deadline:
         raise ChildFailed(children[0], "the run passed its deadline")
 

@@ -49,6 +49,32 @@ def test_rounds_alternate_between_children_one_at_a_time(tmp_path) -> None:
         assert (n1, r1, k1, w1, w2) == (n2, r2, k2, "start", "end")
 
 
+LAST_WAITS = """
+import os, sys, time
+from pathlib import Path
+from gramcoord.benchmarks._vllm_turns import turn
+folder = Path(sys.argv[1])
+with turn(folder, "b", 0):
+    pass
+with turn(folder, "b", 1):
+    # Hold the last round until child a, through all its rounds, has exited.
+    pid = int((folder.parent / "a.pid").read_text())
+    while Path(f"/proc/{pid}").exists() and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        time.sleep(0.01)
+"""
+
+PID_FIRST = "import os\nfrom pathlib import Path\nPath(__file__).with_name('a.pid').write_text(str(os.getpid()))\n"
+
+
+def test_a_child_through_all_its_rounds_may_exit_while_another_runs(tmp_path) -> None:
+    children = [
+        _child(tmp_path, "a", 2, code=PID_FIRST + CHILD),
+        _child(tmp_path, "b", 2, code=LAST_WAITS),
+    ]
+    run_in_turns(children, 2, tmp_path / "turns", timeout_s=120)
+    assert [c.proc.returncode for c in children] == [0, 0]
+
+
 def test_a_child_that_exits_early_fails_the_run_with_its_log(tmp_path) -> None:
     crash = "import sys\nprint('boom: no engine')\nsys.exit(3)\n"
     children = [_child(tmp_path, "a", 2), _child(tmp_path, "b", 2, code=crash)]
