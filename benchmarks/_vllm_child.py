@@ -136,8 +136,14 @@ def _parse_hol(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _round(engine: Any, tag: str, slow: dict | None, fast: list[dict], max_tokens: int) -> dict:
-    """One round: slow first (if any), then the fast ones; when each finished (ms from start)."""
+def _round(
+    engine: Any, tag: str, slow: dict | None, fast: list[dict], max_tokens: int, timers: Timers
+) -> dict:
+    """One round: slow first (if any), then the fast ones; when each finished (ms from start).
+
+    Each step is logged as (ms from start when it ended, its ms, ms of it in
+    gramcoord's hook: 0 with vLLM's backend).
+    """
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     t0 = time.perf_counter()
@@ -148,10 +154,15 @@ def _round(engine: Any, tag: str, slow: dict | None, fast: list[dict], max_token
     expected = len(fast) + (slow is not None)
     first: dict[str, float] = {}
     steps = 0
+    step_log: list[tuple[float, float, float]] = []
     while len(done) < expected:
+        timers.reset()
+        t_step = time.perf_counter()
         outs = engine.step()
         steps += 1
         now = (time.perf_counter() - t0) * 1e3
+        hook = sum(timers.samples.get("hook", ()))
+        step_log.append((now, (time.perf_counter() - t_step) * 1e3, hook))
         for out in outs:
             if out.outputs and out.outputs[0].token_ids:
                 first.setdefault(out.request_id, now)
@@ -167,6 +178,7 @@ def _round(engine: Any, tag: str, slow: dict | None, fast: list[dict], max_token
         # When the last fast request got its first token (admitted and decoding).
         "fast_first_token_ms": max(fast_first),
         "steps": steps,
+        "step_log": step_log,
         "slow_done_ms": done.get(f"{tag}-slow", 0.0),
         "tokens": {rid.split("-", 1)[1]: t for rid, t in tokens.items()},
     }
@@ -187,6 +199,9 @@ def hol_main(argv: list[str]) -> int:
     )
     if opts.compile_cpus:
         pin_compiles(parse_cpus(opts.compile_cpus))
+    timers = Timers()
+    if opts.backend == "gramcoord":
+        _time_hook(timers)
     engine = llm.llm_engine
     fast = dev_schemas(opts.data, opts.fast)
     rounds = []
@@ -196,7 +211,7 @@ def hol_main(argv: list[str]) -> int:
         # schemas' compiles (cached after it on both backends).
         slow = slow_schema(opts.data, round_no) if round_no else None
         with turn(opts.turns, name, round_no, rank):
-            got = _round(engine, f"r{round_no}", slow, fast, opts.max_tokens)
+            got = _round(engine, f"r{round_no}", slow, fast, opts.max_tokens, timers)
         got["warmup"] = round_no == 0
         rounds.append(got)
     opts.out_dir.mkdir(parents=True, exist_ok=True)

@@ -213,7 +213,30 @@ def hol_records(xg: list[dict], gc: list[dict], *, free_core: bool = False) -> l
             "request done (slowest rank); gramcoord's decode runs while the slow schema still "
             "compiles, vLLM's after its inline compile ended",
         ),
+        BenchRecord.compare(
+            f"vllm_tp2_fast_decode_step_gramcoord{tail}",
+            f"vllm_tp2_fast_decode_step_xgrammar_sync{tail}",
+            _median(_decode_steps(gc, 1)),
+            _median(_decode_steps(xg, 1)),
+            note=f"the same rounds ({where}): median engine step while the fast requests "
+            "decode (after the last fast first token, until the last done), every rank; "
+            f"of it in gramcoord's hook (the agreement, while the slow one is pending): median "
+            f"{_median(_decode_steps(gc, 2)):.2f} ms",
+        ),
     ]
+
+
+def _decode_steps(ranks: list[dict], column: int) -> list[float]:
+    """``step_log`` column (1: step ms, 2: hook ms) of the steps in each measured
+    round's fast decode window, every rank."""
+    out = []
+    for rank in ranks:
+        for rnd in rank["rounds"]:
+            if rnd["warmup"]:
+                continue
+            lo, hi = rnd["fast_first_token_ms"], rnd["fast_done_ms"]
+            out += [row[column] for row in rnd.get("step_log", []) if lo < row[0] <= hi]
+    return out
 
 
 def _decode(ranks: list[dict]) -> list[float]:

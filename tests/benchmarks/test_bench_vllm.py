@@ -44,6 +44,8 @@ def _hol_rank(rank: int, fast_ms: float, slow_ms: float, first_ms: float = 0.0) 
             "fast_first_token_ms": first_ms or fast_ms / 2,
             "slow_done_ms": slow_ms,
             "tokens": {"slow": [1]},
+            # (ms from start, step ms, hook ms): one step before the window, two in it.
+            "step_log": [[1.0, 50.0, 9.0], [fast_ms - 1, 10.0, 1.0], [fast_ms, 30.0, 3.0]],
             "warmup": w,
         }
         for w in (True, False, False)
@@ -83,7 +85,7 @@ def test_step_records_compare_backends_and_break_the_step_down() -> None:
 def test_hol_record_is_the_slowest_rank_median_without_the_warmup() -> None:
     gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
     xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
-    rec, admitted, decode = hol_records(xg, gc)
+    rec, admitted, decode, step = hol_records(xg, gc)
     assert rec.name == "vllm_tp2_fast_done_gramcoord"
     assert rec.median_ms == 1000.0 and rec.baseline_median_ms == 6000.0
     assert admitted.median_ms == 500.0 and admitted.target is None
@@ -92,18 +94,22 @@ def test_hol_record_is_the_slowest_rank_median_without_the_warmup() -> None:
     assert "2 shared cores" in rec.note
     # Decode: done minus first token, the slowest rank of each round.
     assert decode.median_ms == 500.0 and decode.baseline_median_ms == 3000.0
+    # Steps inside the fast decode window only: 10 and 30 ms on every rank.
+    assert step.name == "vllm_tp2_fast_decode_step_gramcoord"
+    assert step.median_ms == 20.0 and "median 2.00 ms" in step.note
 
 
 def test_free_core_records_are_named_apart_and_say_where_things_ran() -> None:
     gc = [_hol_rank(0, 900.0, 5000.0, 100.0), _hol_rank(1, 1000.0, 5100.0, 400.0)]
     xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
-    rec, admitted, decode = hol_records(xg, gc, free_core=True)
+    rec, admitted, decode, step = hol_records(xg, gc, free_core=True)
     assert rec.name == "vllm_tp2_fast_done_gramcoord_free_core"
     assert rec.baseline == "vllm_tp2_fast_done_xgrammar_sync_free_core"
     assert rec.target == HOL_TARGET and "CPU 1" in rec.note
     assert admitted.name == "vllm_tp2_fast_admitted_gramcoord_free_core"
     assert decode.name == "vllm_tp2_fast_decode_gramcoord_free_core"
     assert decode.median_ms == 800.0  # max(900 - 100, 1000 - 400)
+    assert step.name == "vllm_tp2_fast_decode_step_gramcoord_free_core"
 
 
 @no_vllm
