@@ -42,6 +42,12 @@ CPU_ENV = {
 # Arguments every engine here is built with (``LLM(**ENGINE_KW)``).
 ENGINE_KW: dict[str, object] = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True}
 _DONE = ".gramcoord-tiny-model"
+# gramcoord's options in the benchmark: no compile deadline within reach. On a
+# loaded 2-core machine a nice-10 compile thread gets little CPU (a fast
+# schema's compile ran past the default 30 s at a load average of 19), and
+# vLLM's inline compile has no deadline; the benchmark times waiting, not
+# deadlines.
+GRAMCOORD_CONFIG = {"gramcoord": {"grammar": {"compile_timeout_s": 600}}}
 
 
 def build_tiny_vllm_model(out: str | os.PathLike[str], *, seed: int = 0) -> Path:
@@ -142,6 +148,48 @@ class Timers:
         return {k: list(v) for k, v in self.samples.items()}
 
 
+def pin_compiles(cpus: set[int]) -> None:
+    """Run each of vLLM's xgrammar compile calls on ``cpus`` (the benchmark's free-core setup).
+
+    Wraps ``XgrammarBackend.compile_grammar``, the call both backends compile
+    through (vLLM's inline on the engine's thread, gramcoord's on its compile
+    threads): the calling thread gets ``cpus`` for the call, and xgrammar's
+    own threads, started inside it, inherit them.
+    """
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    fn = XgrammarBackend.compile_grammar
+
+    @functools.wraps(fn)
+    def pinned(*args: Any, **kwargs: Any) -> Any:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            os.sched_setaffinity(0, before)
+
+    XgrammarBackend.compile_grammar = pinned
+
+
+def own_shm_names(tag: str) -> None:
+    """Give this TP job's CPU shared-memory segments names of its own (``tag``).
+
+    vLLM's CPU communicator names them after ``VLLM_DIST_IDENT``, which under
+    the external launcher is the same for every job (``env://``), so a
+    second TP job running beside the first fails with ``create shm in
+    SHMManager failed. errno: 17``. Only the name changes.
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    name = _CPUSHMDistributed.make_group_name
+
+    def tagged(communicator: Any) -> str:
+        return f"{name(communicator)}-{tag}"
+
+    _CPUSHMDistributed.make_group_name = staticmethod(tagged)
+
+
 def setup_env(cache_root: str | os.PathLike[str] | None) -> None:
     """vLLM's CPU environment; in-process engine. Call before importing vLLM."""
     os.environ.update(cpu_env(cache_root))
@@ -157,11 +205,13 @@ def make_llm(model: str, backend: str, **kw: Any) -> Any:
         plugin.register()
     from vllm import LLM
 
+    extra = {"additional_config": GRAMCOORD_CONFIG} if backend == "gramcoord" else {}
     return LLM(
         model,
         structured_outputs_config={"backend": backend},
         seed=0,
         **ENGINE_KW,
+        **extra,
         **kw,
     )
 

@@ -55,7 +55,8 @@ def step_records(xg: dict, gc: dict) -> list[BenchRecord]:
             step["xgrammar", "constrained"],
             target=STEP_TARGET,
             note=f"median EngineCore.step, in-process CPU engine, {size}; "
-            f"token ids identical on {same}/{len(gc['outputs'])} requests",
+            f"token ids identical on {same}/{len(gc['outputs'])} requests"
+            + _round_ratios(xg, gc, "constrained"),
         )
     ]
     # Each engine interleaves constrained and plain rounds, so the difference
@@ -81,8 +82,52 @@ def step_records(xg: dict, gc: dict) -> list[BenchRecord]:
                 note=f"the same batch without structured outputs, same engine; {size}",
             )
         )
+    out.append(
+        BenchRecord.compare(
+            "vllm_step_plain_gramcoord",
+            "vllm_step_plain_xgrammar",
+            step["gramcoord", "plain"],
+            step["xgrammar", "plain"],
+            note="median plain step (no structured outputs) of each engine; the code differs "
+            f"only by gramcoord's per-step hook; rounds alternated between the engines; {size}"
+            + _round_ratios(xg, gc, "plain"),
+        )
+    )
+    out += _hook(gc["samples"], size)
     for backend, run in (("gramcoord", gc), ("xgrammar", xg)):
         out += _breakdown(backend, run["samples"]["constrained"], size)
+    return out
+
+
+def _round_ratios(xg: dict, gc: dict, phase: str) -> str:
+    """Each alternated round's ratio (xgrammar's median step / gramcoord's), and their median."""
+    ours = gc.get("round_step_ms", {}).get(phase, [])
+    theirs = xg.get("round_step_ms", {}).get(phase, [])
+    ratios = [t / o for o, t in zip(ours, theirs) if o > 0]
+    if not ratios:
+        return ""
+    listed = ", ".join(f"{r:.2f}" for r in ratios)
+    return f"; per alternated round {listed}x, median {_median(ratios):.2f}x"
+
+
+def _hook(samples: dict[str, dict[str, list[float]]], size: str) -> list[BenchRecord]:
+    """gramcoord's per-step hook (``before_schedule``) against the step, per phase."""
+    out = []
+    for phase in ("plain", "constrained"):
+        hook = samples[phase].get("hook", [])
+        steps = samples[phase].get("step", [])
+        share = sum(hook) / (sum(steps) or 1.0)
+        out.append(
+            BenchRecord.compare(
+                f"vllm_step_hook_{phase}_gramcoord",
+                f"vllm_engine_step_{phase}",
+                _median(hook),
+                _median(steps),
+                note=f"gramcoord's per-step hook (before_schedule: the agreement), {phase} "
+                f"steps: {share:.2%} of the step time, {len(hook)} calls, max "
+                f"{max(hook, default=0.0):.3f} ms; ratio = step / hook; {size}",
+            )
+        )
     return out
 
 
@@ -118,8 +163,18 @@ def _ranks_agree(ranks: list[dict]) -> bool:
     return all(all(x["tokens"] == per[0]["tokens"] for x in per) for per in zip(*rounds))
 
 
-def hol_records(xg: list[dict], gc: list[dict]) -> list[BenchRecord]:
-    """Time until the fast requests finish: gramcoord async vs vLLM's forced-sync compile."""
+def hol_records(xg: list[dict], gc: list[dict], *, free_core: bool = False) -> list[BenchRecord]:
+    """Time until the fast requests finish: gramcoord async vs vLLM's forced-sync compile.
+
+    ``free_core``: the ``split`` arrangement (decode on CPU 0, compiles on CPU
+    1); its records' names end in ``_free_core``.
+    """
+    tail = "_free_core" if free_core else ""
+    where = (
+        "every engine on CPU 0, gramcoord's compiles on CPU 1, vLLM's inline compile on both"
+        if free_core
+        else "2 shared cores"
+    )
     ours = _median(_per_round(gc, "fast_done_ms"))
     base = _median(_per_round(xg, "fast_done_ms"))
     slow_gc = _median(_per_round(gc, "slow_done_ms"))
@@ -130,24 +185,65 @@ def hol_records(xg: list[dict], gc: list[dict]) -> list[BenchRecord]:
     first_xg = _median(_per_round(xg, "fast_first_token_ms"))
     return [
         BenchRecord.compare(
-            "vllm_tp2_fast_done_gramcoord",
-            "vllm_tp2_fast_done_xgrammar_sync",
+            f"vllm_tp2_fast_done_gramcoord{tail}",
+            f"vllm_tp2_fast_done_xgrammar_sync{tail}",
             ours,
             base,
             target=HOL_TARGET,
-            note=f"torchrun TP=2 external launcher (gloo): one slow schema sent first, then {n} "
-            f"fast ones; ms until every fast one finished, slowest rank, median of "
-            f"{len(_per_round(gc, 'fast_done_ms'))} rounds; the slow one finished at "
-            f"{slow_gc:.0f} ms (gramcoord) / {slow_xg:.0f} ms (xgrammar); outputs {agree} "
-            "across ranks",
+            note=f"torchrun TP=2 external launcher (gloo), {where}: one slow schema sent first, "
+            f"then {n} fast ones; ms until every fast one finished, slowest rank, median of "
+            f"{len(_per_round(gc, 'fast_done_ms'))} rounds (alternated between backends); the "
+            f"slow one finished at {slow_gc:.0f} ms (gramcoord) / {slow_xg:.0f} ms (xgrammar); "
+            f"outputs {agree} across ranks",
         ),
         BenchRecord.compare(
-            "vllm_tp2_fast_admitted_gramcoord",
-            "vllm_tp2_fast_admitted_xgrammar_sync",
+            f"vllm_tp2_fast_admitted_gramcoord{tail}",
+            f"vllm_tp2_fast_admitted_xgrammar_sync{tail}",
             first_gc,
             first_xg,
-            note="the same rounds: ms until every fast request had its first token (admitted "
-            "and decoding); what is left of the fast rows' time is decode steps, which share "
-            "the cores with the slow compile still running on every rank",
+            note=f"the same rounds ({where}): ms until every fast request had its first token "
+            "(admitted and decoding)",
         ),
+        BenchRecord.compare(
+            f"vllm_tp2_fast_decode_gramcoord{tail}",
+            f"vllm_tp2_fast_decode_xgrammar_sync{tail}",
+            _median(_decode(gc)),
+            _median(_decode(xg)),
+            note=f"the same rounds ({where}): ms from the last fast first token to the last fast "
+            "request done (slowest rank); gramcoord's decode runs while the slow schema still "
+            "compiles, vLLM's after its inline compile ended",
+        ),
+        BenchRecord.compare(
+            f"vllm_tp2_fast_decode_step_gramcoord{tail}",
+            f"vllm_tp2_fast_decode_step_xgrammar_sync{tail}",
+            _median(_decode_steps(gc, 1)),
+            _median(_decode_steps(xg, 1)),
+            note=f"the same rounds ({where}): median engine step while the fast requests "
+            "decode (after the last fast first token, until the last done), every rank; "
+            f"of it in gramcoord's hook (the agreement, while the slow one is pending): median "
+            f"{_median(_decode_steps(gc, 2)):.2f} ms",
+        ),
+    ]
+
+
+def _decode_steps(ranks: list[dict], column: int) -> list[float]:
+    """``step_log`` column (1: step ms, 2: hook ms) of the steps in each measured
+    round's fast decode window, every rank."""
+    out = []
+    for rank in ranks:
+        for rnd in rank["rounds"]:
+            if rnd["warmup"]:
+                continue
+            lo, hi = rnd["fast_first_token_ms"], rnd["fast_done_ms"]
+            out += [row[column] for row in rnd.get("step_log", []) if lo < row[0] <= hi]
+    return out
+
+
+def _decode(ranks: list[dict]) -> list[float]:
+    """Per measured round, slowest rank: fast done minus fast first token."""
+    rounds = zip(*(r["rounds"] for r in ranks))
+    return [
+        max(x["fast_done_ms"] - x["fast_first_token_ms"] for x in per)
+        for per in rounds
+        if not per[0]["warmup"]
     ]

@@ -13,18 +13,27 @@ the same requests for both backends:
   against the same batch unconstrained (report only); and where the step
   goes: vLLM's own functions, wrapped with timers in the child (the
   forward, the scheduler's ``get_grammar_bitmask``, the worker's
-  ``sample_tokens`` and within it ``apply_grammar_bitmask``, ...).
+  ``sample_tokens`` and within it ``apply_grammar_bitmask``, ...); the two
+  engines' plain steps side by side, and gramcoord's per-step hook
+  (``before_schedule``) on plain and on constrained steps.
 - ``hol`` (``_vllm_child hol``, ``torchrun --nproc-per-node 2``, TP=2, external
   launcher, gloo): one schema whose compile takes seconds, sent first, then
   ``--fast`` small ones; the time until the fast ones have all finished
   (slowest rank, median over rounds), gramcoord's async compile against the
   compile vLLM forces inline under this launcher (target: >= 5x sooner).
+  ``--hol-cores``: ``shared`` (every thread may use both cores) and
+  ``split`` (the free-core figure: each engine, every thread, on CPU 0;
+  gramcoord's compiles on CPU 1 beside the decode; vLLM's inline compile,
+  which stops its engine, on both), each a pair of torchrun jobs.
 - ``start`` (``_vllm_start``): an offline ``LLM(...)`` and the OpenAI
   server (spawn to ``/health`` 200) started with each backend, alternated
   ABBA over ``--start-rounds`` rounds; the baseline is vLLM without the
   plugin (target: gramcoord within 10%, ratio >= 0.909). Not in the
   default parts: each start is a fresh engine (a minute on a busy 2-core
   machine), so ask for it: ``--parts start``.
+
+Both backends' children of the step and hol parts run at once and take turns, one round
+each (``_vllm_turns``): load that drifts over the run falls on both alike.
 
 Ratios are baseline / ours: higher is better. ``--quick`` is a smoke run.
 """
@@ -42,6 +51,7 @@ from pathlib import Path
 
 from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks._vllm_records import hol_records, load_json, step_records
+from gramcoord.benchmarks._vllm_turns import Child, ChildFailed, run_in_turns
 
 NOT_INSTALLED = (
     "gramcoord bench vllm needs vLLM 0.32 in this environment (not importable here); "
@@ -78,6 +88,12 @@ def _parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--fast", type=int, default=8, help="fast requests beside the slow one")
     p.add_argument("--hol-repeat", type=int, default=2, help="measured head-of-line rounds")
     p.add_argument("--start-rounds", type=int, default=2, help="start rounds (ABBA pairs)")
+    p.add_argument(
+        "--hol-cores",
+        default="shared,split",
+        help="comma-separated: shared (every thread on both cores), split (decode on CPU 0, "
+        "compiles may use CPU 1)",
+    )
     p.add_argument("--quick", action="store_true", help="smallest sizes: a smoke run")
     p.add_argument(
         "--workdir", type=Path, help="model, caches and child logs (default: a temp dir)"
@@ -96,17 +112,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(cmd: list[str], log: Path, timeout_s: float) -> None:
-    from gramcoord.benchmarks._all import run_child
-
-    rc, wall = run_child(cmd, log, timeout_s)
-    if rc != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        why = f"timed out after {timeout_s:.0f} s" if rc is None else f"exit {rc}"
-        raise SystemExit(f"bench vllm: {log.stem} {why} after {wall:.0f} s; {log}:\n{tail}")
-    print(f"bench vllm: {log.parent.name}/{log.name} done in {wall:.0f} s", flush=True)
-
-
 def _common(opts: argparse.Namespace, model: Path, work: Path) -> list[str]:
     out = ["--model", str(model), "--max-tokens", str(opts.max_tokens)]
     out += ["--cache-root", str(work / "vllm-cache")]
@@ -114,31 +119,69 @@ def _common(opts: argparse.Namespace, model: Path, work: Path) -> list[str]:
 
 
 def _step(opts: argparse.Namespace, model: Path, work: Path) -> list[BenchRecord]:
-    got = {}
+    children = []
     for backend in BACKENDS:
-        out = work / f"step-{backend}.json"
         cmd = [sys.executable, "-m", "gramcoord.benchmarks._vllm_child", "step"]
-        cmd += ["--backend", backend]
-        cmd += [*_common(opts, model, work), "--out", str(out)]
+        cmd += ["--backend", backend, "--turns", str(work / "step-turns")]
+        cmd += [*_common(opts, model, work), "--out", str(work / f"step-{backend}.json")]
         cmd += ["--requests", str(opts.requests), "--repeat", str(opts.repeat)]
-        _run(cmd, work / f"step-{backend}.log", opts.timeout_s)
-        got[backend] = load_json(out)
+        children.append(Child(backend, cmd, work / f"step-{backend}.log"))
+    _in_turns(children, opts.repeat + 1, work / "step-turns", opts.timeout_s)
+    got = {b: load_json(work / f"step-{b}.json") for b in BACKENDS}
     return step_records(got["xgrammar"], got["gramcoord"])
 
 
-def _hol(opts: argparse.Namespace, model: Path, work: Path) -> list[BenchRecord]:
-    got = {}
-    for backend in BACKENDS:
-        out_dir = work / f"hol-{backend}"
+# Where each side's engine and compiles run, per --hol-cores arrangement:
+# (engine CPUs, compile CPUs of vLLM's xgrammar backend, of gramcoord).
+# "split": both engines decode on CPU 0 alone; gramcoord's compile threads get
+# CPU 1, beside the decode. vLLM's inline compile stops its engine while it
+# runs, so it may use both CPUs: the baseline is never given less than it has.
+CORES = {"shared": (None, None, None), "split": ("0", "0,1", "1")}
+
+
+def _hol(opts: argparse.Namespace, model: Path, work: Path, cores: str) -> list[BenchRecord]:
+    engine_cpus, *compile_cpus = CORES[cores]
+    children = []
+    turns = work / f"hol-{cores}-turns"
+    for backend, cpus in zip(BACKENDS, compile_cpus):
+        name = f"hol-{cores}-{backend}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-        cmd += ["--log-dir", str(work / f"hol-{backend}.torchrun")]
+        cmd += ["--log-dir", str(work / f"{name}.torchrun")]
         cmd += ["-m", "gramcoord.benchmarks._vllm_child", "hol", "--backend", backend]
-        cmd += [*_common(opts, model, work), "--out-dir", str(out_dir)]
-        cmd += ["--fast", str(opts.fast), "--repeat", str(opts.hol_repeat)]
-        _run(cmd, work / f"hol-{backend}.log", opts.timeout_s)
-        got[backend] = [load_json(out_dir / f"rank{r}.json") for r in range(2)]
-    return hol_records(got["xgrammar"], got["gramcoord"])
+        cmd += [*_common(opts, model, work), "--out-dir", str(work / name)]
+        cmd += ["--fast", str(opts.fast), "--repeat", str(opts.hol_repeat), "--turns", str(turns)]
+        if engine_cpus is not None:
+            cmd += ["--cpus", engine_cpus, "--compile-cpus", cpus]
+        children.append(Child(name, cmd, work / f"{name}.log", ranks=2))
+    _in_turns(children, opts.hol_repeat + 1, turns, opts.timeout_s)
+    got = {
+        b: [load_json(work / f"hol-{cores}-{b}" / f"rank{r}.json") for r in range(2)]
+        for b in BACKENDS
+    }
+    return hol_records(got["xgrammar"], got["gramcoord"], free_core=cores == "split")
+
+
+def _in_turns(children: list[Child], rounds: int, folder: Path, timeout_s: float) -> None:
+    """Both backends' children at once, their rounds alternated (``_vllm_turns``)."""
+    try:
+        wall = run_in_turns(children, rounds, folder, timeout_s * len(children))
+    except ChildFailed as exc:
+        raise SystemExit(f"bench vllm: {exc}") from None
+    names = ", ".join(c.log.name for c in children)
+    print(f"bench vllm: {names} done in {wall:.0f} s (rounds in turns)", flush=True)
+
+
+def _hol_cores(text: str) -> list[str]:
+    got = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = sorted(set(got) - set(CORES))
+    if unknown or not got:
+        raise SystemExit(
+            f"--hol-cores: unknown {', '.join(unknown) or '(none)'}; use shared, split"
+        )
+    if "split" in got and not {0, 1} <= os.sched_getaffinity(0):
+        raise SystemExit("--hol-cores split needs CPUs 0 and 1")
+    return got
 
 
 def run(args: list[str]) -> list[BenchRecord]:
@@ -151,6 +194,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     unknown = parts - set(PARTS)
     if unknown:
         raise SystemExit(f"--parts: unknown {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
+    hol_cores = _hol_cores(opts.hol_cores) if "hol" in parts else []
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="gramcoord-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -159,7 +203,8 @@ def run(args: list[str]) -> list[BenchRecord]:
     if "step" in parts:
         records += _step(opts, model, work)
     if "hol" in parts:
-        records += _hol(opts, model, work)
+        for cores in hol_cores:
+            records += _hol(opts, model, work, cores)
     if "start" in parts:
         from gramcoord.benchmarks._vllm_start import measure, start_records
 

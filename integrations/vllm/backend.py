@@ -2,8 +2,9 @@
 
 vLLM builds ``GramcoordBackend(vllm_config, tokenizer, vocab_size)``. The
 vocabulary, stop ids and compile calls are vLLM's own (an
-``XgrammarBackend`` inside supplies the tokenizer info and compiles), so
-outputs are token-identical to vLLM + xgrammar. gramcoord adds what vLLM
+``XgrammarBackend`` inside supplies the tokenizer info and the calls), so
+outputs are token-identical to vLLM + xgrammar; only the compiler under
+those calls is ours, with one thread (``own_compiler``). gramcoord adds what vLLM
 lacks: validation and keys, a compile cache and poison cache, compile
 deadlines, and readiness agreed once per engine step. All of that is the
 per-rank API (``StageLeader.for_host`` over vLLM's TP group, wrapped in
@@ -42,11 +43,13 @@ from gramcoord.rank_worker.session.futures import GrammarFutures
 from gramcoord.rank_worker.session.leader import StageLeader
 
 __all__ = [
+    "COMPILE_THREADS",
     "GramcoordBackend",
     "GramcoordGrammar",
     "GrammarInitError",
     "front_end_config",
     "grammar_config",
+    "own_compiler",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,38 @@ _KIND_TO_VLLM = {
     "lark": StructuredOutputOptions.GRAMMAR,
     "structural_tag": StructuredOutputOptions.STRUCTURAL_TAG,
 }
+
+
+# xgrammar threads per compile. vLLM's compiler has 8; each compile thread
+# of ours runs at nice +10 and xgrammar's threads inherit it, but CFS
+# weights add up: 8 threads at nice 10 weigh about one at nice 0, so a slow
+# compile took the engine loop's core from it (the loop ran 1.65x slower
+# while it compiled; with one thread at nice 10, 1.00x). The compile pool
+# runs several compiles at once instead.
+COMPILE_THREADS = 1
+
+
+def own_compiler(host: XgrammarBackend) -> SafeStrings:
+    """The compiler under vLLM's compile calls: ``host``'s tokenizer info, xgrammar's
+    cache with vLLM's limit, ``COMPILE_THREADS`` threads; JSON strings kept free
+    of raw control characters (``SafeStrings``).
+
+    xgrammar starts a compile's threads inside each call (one thread: none,
+    the caller compiles), so they inherit the calling thread's nice and CPUs.
+    """
+    import vllm.envs
+
+    # vLLM keeps the tokenizer info only inside its compiler (vLLM's own
+    # choice among HF, Mistral and PLaMo tokenizers); a one-rule grammar
+    # compiled by it carries the very object out.
+    tokenizer_info = host.compiler.compile_grammar('root ::= "a"').tokenizer_info
+    compiler = xgr.GrammarCompiler(
+        tokenizer_info,
+        max_threads=COMPILE_THREADS,
+        cache_enabled=True,
+        cache_limit_bytes=vllm.envs.VLLM_XGRAMMAR_CACHE_MB * 1024 * 1024,
+    )
+    return SafeStrings(compiler)
 
 
 class GrammarInitError(RuntimeError):
@@ -97,8 +132,9 @@ class GramcoordBackend(StructuredOutputBackend):
 
     def __post_init__(self) -> None:
         self.host = XgrammarBackend(self.vllm_config, self.tokenizer, self.vocab_size)
-        # vLLM's own compiles, with JSON strings kept free of raw control characters.
-        self.host.compiler = SafeStrings(self.host.compiler)
+        # vLLM's own compile calls (request types, whitespace rule, tokenizer
+        # info) over our single-threaded compiler; vLLM's 8-thread one goes.
+        self.host.compiler = own_compiler(self.host)
         self.vocab_size = self.host.vocab_size
         self.num_speculative_tokens = self.host.num_speculative_tokens
         so = self.vllm_config.structured_outputs_config

@@ -82,7 +82,8 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "vllm.v1.structured_output.backend_xgrammar",
         "XgrammarBackend.compile_grammar",
         ("self", "request_type", "grammar_spec", "stop_token_ids"),
-        "vLLM's tokenizer info and compile calls, reused for identical outputs",
+        "vLLM's tokenizer info and compile calls, reused for identical outputs (over "
+        "the plugin's one-thread compiler, set as its `compiler`)",
     ),
     (
         "vllm.v1.structured_output.backend_xgrammar",

@@ -29,20 +29,23 @@ def _step(backend: str, step_ms: float, outputs: list[list[int]]) -> dict:
         "max_tokens": 8,
         "repeat": 1,
         "samples": {
-            "constrained": {"step": [step_ms] * 4, **parts},
-            "plain": {"step": [step_ms / 2] * 4, "forward": [1.0] * 4},
+            "constrained": {"step": [step_ms] * 4, "hook": [0.5] * 4, **parts},
+            "plain": {"step": [step_ms / 2] * 4, "hook": [0.01] * 4, "forward": [1.0] * 4},
         },
         "outputs": outputs,
+        "round_step_ms": {"constrained": [step_ms, step_ms * 2], "plain": [step_ms / 2] * 2},
     }
 
 
-def _hol_rank(rank: int, fast_ms: float, slow_ms: float) -> dict:
+def _hol_rank(rank: int, fast_ms: float, slow_ms: float, first_ms: float = 0.0) -> dict:
     rounds = [
         {
             "fast_done_ms": fast_ms,
-            "fast_first_token_ms": fast_ms / 2,
+            "fast_first_token_ms": first_ms or fast_ms / 2,
             "slow_done_ms": slow_ms,
             "tokens": {"slow": [1]},
+            # (ms from start, step ms, hook ms): one step before the window, two in it.
+            "step_log": [[1.0, 50.0, 9.0], [fast_ms - 1, 10.0, 1.0], [fast_ms, 30.0, 3.0]],
             "warmup": w,
         }
         for w in (True, False, False)
@@ -58,24 +61,55 @@ def test_step_records_compare_backends_and_break_the_step_down() -> None:
     assert (head.name, head.baseline) == ("vllm_engine_step_gramcoord", "vllm_engine_step_xgrammar")
     assert head.target == 1.0 and head.met is True and head.ratio == pytest.approx(1.25)
     assert "identical on 1/2" in head.note
+    # Round by round: 20/16 and 40/32.
+    assert "per alternated round 1.25, 1.25x, median 1.25x" in head.note
     overhead = records[1]
     assert overhead.name == "vllm_step_grammar_overhead_gramcoord"
     assert (overhead.median_ms, overhead.baseline_median_ms) == (8.0, 10.0)
-    plain = {r.name: r for r in records[2:4]}
+    plain = {r.name: r for r in records[2:5]}
     assert plain["vllm_step_constrained_gramcoord"].ratio == pytest.approx(0.5)
+    # The plain steps of the two engines, side by side.
+    both = plain["vllm_step_plain_gramcoord"]
+    assert (both.median_ms, both.baseline_median_ms) == (8.0, 10.0)
+    assert both.baseline == "vllm_step_plain_xgrammar"
+    hooks = {r.name: r for r in records[5:7]}
+    assert hooks["vllm_step_hook_plain_gramcoord"].median_ms == pytest.approx(0.01)
+    assert hooks["vllm_step_hook_plain_gramcoord"].baseline_median_ms == 8.0
+    assert "0.12% of the step time" in hooks["vllm_step_hook_plain_gramcoord"].note
+    assert hooks["vllm_step_hook_constrained_gramcoord"].median_ms == pytest.approx(0.5)
     assert all(r.target is None for r in records[1:])
-    parts = {r.name for r in records[4:]}
+    parts = {r.name for r in records[7:]}
     assert parts == {f"vllm_step_part_{p}_{b}" for p in PARTS for b in ("gramcoord", "xgrammar")}
 
 
 def test_hol_record_is_the_slowest_rank_median_without_the_warmup() -> None:
     gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
     xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
-    rec, admitted = hol_records(xg, gc)
+    rec, admitted, decode, step = hol_records(xg, gc)
+    assert rec.name == "vllm_tp2_fast_done_gramcoord"
     assert rec.median_ms == 1000.0 and rec.baseline_median_ms == 6000.0
     assert admitted.median_ms == 500.0 and admitted.target is None
     assert rec.target == HOL_TARGET and rec.met is True
     assert "identical across ranks" in rec.note and "2 rounds" in rec.note
+    assert "2 shared cores" in rec.note
+    # Decode: done minus first token, the slowest rank of each round.
+    assert decode.median_ms == 500.0 and decode.baseline_median_ms == 3000.0
+    # Steps inside the fast decode window only: 10 and 30 ms on every rank.
+    assert step.name == "vllm_tp2_fast_decode_step_gramcoord"
+    assert step.median_ms == 20.0 and "median 2.00 ms" in step.note
+
+
+def test_free_core_records_are_named_apart_and_say_where_things_ran() -> None:
+    gc = [_hol_rank(0, 900.0, 5000.0, 100.0), _hol_rank(1, 1000.0, 5100.0, 400.0)]
+    xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
+    rec, admitted, decode, step = hol_records(xg, gc, free_core=True)
+    assert rec.name == "vllm_tp2_fast_done_gramcoord_free_core"
+    assert rec.baseline == "vllm_tp2_fast_done_xgrammar_sync_free_core"
+    assert rec.target == HOL_TARGET and "CPU 1" in rec.note
+    assert admitted.name == "vllm_tp2_fast_admitted_gramcoord_free_core"
+    assert decode.name == "vllm_tp2_fast_decode_gramcoord_free_core"
+    assert decode.median_ms == 800.0  # max(900 - 100, 1000 - 400)
+    assert step.name == "vllm_tp2_fast_decode_step_gramcoord_free_core"
 
 
 @no_vllm

@@ -39,6 +39,11 @@ def test_quick_step_run_reports_every_record(tmp_path, monkeypatch) -> None:
     assert head["baseline"] == "vllm_engine_step_xgrammar" and head["target"] == 1.0
     assert head["median_ms"] > 0 and head["baseline_median_ms"] > 0
     assert head["met"] in (True, False)
+    # The plain steps side by side, and gramcoord's per-step hook timed in both phases.
+    assert records["vllm_step_plain_gramcoord"]["baseline"] == "vllm_step_plain_xgrammar"
+    for phase in ("plain", "constrained"):
+        hook = records[f"vllm_step_hook_{phase}_gramcoord"]
+        assert hook["median_ms"] > 0 and hook["baseline_median_ms"] > 0
     for backend in ("gramcoord", "xgrammar"):
         assert records[f"vllm_step_constrained_{backend}"]["baseline_median_ms"] > 0
         for part in PARTS:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -111,3 +115,62 @@ def test_a_bounded_string_refuses_a_raw_control_character(gramcoord_llm, char) -
     (control,) = tokenizer.encode(char, add_special_tokens=False)
     assert theirs.accept_token(control)
     assert not ours.accept_token(control)
+
+
+def _peak_threads(fn: Any) -> tuple[Any, int]:
+    """``fn()``, and how many more threads the process had at its peak during the call."""
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], len(os.listdir("/proc/self/task")))
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    time.sleep(0.01)
+    before = len(os.listdir("/proc/self/task"))
+    try:
+        return fn(), peak[0] - before
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def test_compiles_run_on_a_niced_compile_thread_with_no_threads_of_their_own(
+    gramcoord_llm, monkeypatch
+) -> None:
+    import xgrammar as xgr
+
+    # A compile long enough for xgrammar's threads to show (many bounded strings).
+    props = {
+        f"p{i}_{time.time_ns()}": {"type": "string", "maxLength": 3 + i % 9} for i in range(40)
+    }
+    schema = {"type": "object", "properties": props}
+    _run(gramcoord_llm, [_params({"type": "integer"}, max_tokens=2)])  # the backend exists
+    backend = engine_backend(gramcoord_llm)
+    compiler = backend.host.compiler
+    original = compiler.compile_json_schema
+    seen: list[tuple[int, int, int]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        tid = threading.get_native_id()
+        got, extra = _peak_threads(lambda: original(*args, **kwargs))
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid), extra))
+        return got
+
+    monkeypatch.setattr(compiler, "compile_json_schema", recording)
+    ((tokens, reason),) = _run(gramcoord_llm, [_params(schema, max_tokens=4)])
+    assert reason == "length" and len(tokens) == 4
+    ((tid, nice, extra),) = seen
+    # Compiled on a compile-pool thread at nice +10, not on the engine's thread ...
+    assert tid != threading.main_thread().native_id
+    assert backend.config.compile_nice == 10
+    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    # ... by that thread alone: xgrammar started none (vLLM's compiler starts 8).
+    assert extra == 0
+    eight = xgr.GrammarCompiler(
+        compiler.compile_grammar('root ::= "a"').tokenizer_info, max_threads=8, cache_enabled=False
+    )
+    _, extra8 = _peak_threads(lambda: eight.compile_json_schema(json.dumps(schema)))
+    assert extra8 > 0  # the count above would have seen them
