@@ -74,6 +74,13 @@ def _time_hook(timers: Timers) -> None:
     timers.wrap(GramcoordBackend, "before_schedule", "hook")
 
 
+def _time_digests(timers: Timers) -> None:
+    """Time the TP mask digests (``MaskDigests.observe``, after each bitmask) as ``digest``."""
+    from gramcoord.integrations.vllm.tp_digest import MaskDigests
+
+    timers.wrap(MaskDigests, "observe", "digest")
+
+
 def step_main(argv: list[str]) -> int:
     opts = _parse_step(argv)
     setup_env(opts.cache_root)
@@ -142,7 +149,7 @@ def _round(
     """One round: slow first (if any), then the fast ones; when each finished (ms from start).
 
     Each step is logged as (ms from start when it ended, its ms, ms of it in
-    gramcoord's hook: 0 with vLLM's backend).
+    gramcoord's hook, ms of it in the TP mask digests: 0 with vLLM's backend).
     """
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
@@ -154,7 +161,7 @@ def _round(
     expected = len(fast) + (slow is not None)
     first: dict[str, float] = {}
     steps = 0
-    step_log: list[tuple[float, float, float]] = []
+    step_log: list[tuple[float, float, float, float]] = []
     while len(done) < expected:
         timers.reset()
         t_step = time.perf_counter()
@@ -162,7 +169,8 @@ def _round(
         steps += 1
         now = (time.perf_counter() - t0) * 1e3
         hook = sum(timers.samples.get("hook", ()))
-        step_log.append((now, (time.perf_counter() - t_step) * 1e3, hook))
+        digest = sum(timers.samples.get("digest", ()))
+        step_log.append((now, (time.perf_counter() - t_step) * 1e3, hook, digest))
         for out in outs:
             if out.outputs and out.outputs[0].token_ids:
                 first.setdefault(out.request_id, now)
@@ -202,6 +210,7 @@ def hol_main(argv: list[str]) -> int:
     timers = Timers()
     if opts.backend == "gramcoord":
         _time_hook(timers)
+        _time_digests(timers)
     engine = llm.llm_engine
     fast = dev_schemas(opts.data, opts.fast)
     rounds = []

@@ -223,6 +223,42 @@ def hol_records(xg: list[dict], gc: list[dict], *, free_core: bool = False) -> l
             f"of it in gramcoord's hook (the agreement, while the slow one is pending): median "
             f"{_median(_decode_steps(gc, 2)):.2f} ms",
         ),
+        *_digest_records(gc, tail, where),
+    ]
+
+
+# The TP mask digests may cost at most this share of the engine step.
+DIGEST_SHARE = 0.02
+
+
+def _digest_records(gc: list[dict], tail: str, where: str) -> list[BenchRecord]:
+    """The TP mask digests' cost per engine step with structured rows, against that step."""
+    rows = [
+        row
+        for rank in gc
+        for rnd in rank["rounds"]
+        if not rnd["warmup"]
+        for row in rnd.get("step_log", [])
+        if len(row) > 3 and row[3] > 0
+    ]
+    if not rows:
+        return []
+    digest = [row[3] for row in rows]
+    step = [row[1] for row in rows]
+    share = sum(digest) / (sum(step) or 1.0)
+    return [
+        BenchRecord.compare(
+            f"vllm_tp2_mask_digest_gramcoord{tail}",
+            f"vllm_tp2_engine_step_gramcoord{tail}",
+            _median(digest),
+            _median(step),
+            target=1 / DIGEST_SHARE,
+            note=f"the TP mask digests ({where}): ms per engine step with structured rows "
+            f"(digest the rows, post and settle the windowed all_gather), against that step; "
+            f"{share:.2%} of the step time over {len(rows)} steps, every rank, measured rounds; "
+            f"ratio = step / digest, target >= {1 / DIGEST_SHARE:.0f} (under "
+            f"{DIGEST_SHARE:.0%})",
+        )
     ]
 
 

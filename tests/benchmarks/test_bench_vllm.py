@@ -112,6 +112,22 @@ def test_free_core_records_are_named_apart_and_say_where_things_ran() -> None:
     assert step.name == "vllm_tp2_fast_decode_step_gramcoord_free_core"
 
 
+def test_the_tp_mask_digests_cost_is_a_share_of_the_steps_that_digest() -> None:
+    gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
+    for rank in gc:
+        for rnd in rank["rounds"]:
+            # (ms from start, step ms, hook ms, digest ms): the first step digests nothing.
+            rnd["step_log"] = [[1.0, 50.0, 9.0, 0.0], [2.0, 10.0, 1.0, 0.1], [3.0, 30.0, 3.0, 0.3]]
+    xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
+    *_, digest = hol_records(xg, gc)
+    assert digest.name == "vllm_tp2_mask_digest_gramcoord"
+    assert digest.baseline == "vllm_tp2_engine_step_gramcoord"
+    # Steps that digested: 10 and 30 ms, digests 0.1 and 0.3 ms (1% of them).
+    assert digest.median_ms == pytest.approx(0.2) and digest.baseline_median_ms == 20.0
+    assert digest.target == 50 and digest.met is True
+    assert "1.00% of the step time over 8 steps" in digest.note
+
+
 @no_vllm
 def test_bench_vllm_without_vllm_exits_with_a_note(capsys) -> None:
     with pytest.raises(SystemExit) as info:
