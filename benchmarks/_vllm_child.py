@@ -143,13 +143,21 @@ def _parse_hol(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _digested_steps(engine: Any) -> int:
+    """Steps the gramcoord backend's TP mask digests took rows in (0 without them)."""
+    backend = engine.engine_core.engine_core.scheduler.structured_output_manager.backend
+    digests = getattr(backend, "digests", None)
+    return digests.steps if digests is not None else 0
+
+
 def _round(
     engine: Any, tag: str, slow: dict | None, fast: list[dict], max_tokens: int, timers: Timers
 ) -> dict:
     """One round: slow first (if any), then the fast ones; when each finished (ms from start).
 
     Each step is logged as (ms from start when it ended, its ms, ms of it in
-    gramcoord's hook, ms of it in the TP mask digests: 0 with vLLM's backend).
+    gramcoord's hook, ms of it in the TP mask digests, whether the digests
+    took in rows this step: 0 with vLLM's backend).
     """
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
@@ -161,16 +169,18 @@ def _round(
     expected = len(fast) + (slow is not None)
     first: dict[str, float] = {}
     steps = 0
-    step_log: list[tuple[float, float, float, float]] = []
+    step_log: list[tuple[float, float, float, float, int]] = []
     while len(done) < expected:
         timers.reset()
+        digested = _digested_steps(engine)
         t_step = time.perf_counter()
         outs = engine.step()
         steps += 1
         now = (time.perf_counter() - t0) * 1e3
         hook = sum(timers.samples.get("hook", ()))
         digest = sum(timers.samples.get("digest", ()))
-        step_log.append((now, (time.perf_counter() - t_step) * 1e3, hook, digest))
+        ms = (time.perf_counter() - t_step) * 1e3
+        step_log.append((now, ms, hook, digest, _digested_steps(engine) - digested))
         for out in outs:
             if out.outputs and out.outputs[0].token_ids:
                 first.setdefault(out.request_id, now)

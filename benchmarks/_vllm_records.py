@@ -239,7 +239,7 @@ def _digest_records(gc: list[dict], tail: str, where: str) -> list[BenchRecord]:
         for rnd in rank["rounds"]
         if not rnd["warmup"]
         for row in rnd.get("step_log", [])
-        if len(row) > 3 and row[3] > 0
+        if len(row) > 4 and row[4] > 0  # the digests took rows in this step
     ]
     if not rows:
         return []
@@ -254,7 +254,8 @@ def _digest_records(gc: list[dict], tail: str, where: str) -> list[BenchRecord]:
             _median(step),
             target=1 / DIGEST_SHARE,
             note=f"the TP mask digests ({where}): ms per engine step with structured rows "
-            f"(digest the rows, post and settle the windowed all_gather), against that step; "
+            f"(digest the rows, post and settle the windowed all_gather; steps without rows "
+            f"cost a call and are not counted), against that step; "
             f"{share:.2%} of the step time over {len(rows)} steps, every rank, measured rounds; "
             f"ratio = step / digest, target >= {1 / DIGEST_SHARE:.0f} (under "
             f"{DIGEST_SHARE:.0%})",

@@ -116,8 +116,13 @@ def test_the_tp_mask_digests_cost_is_a_share_of_the_steps_that_digest() -> None:
     gc = [_hol_rank(0, 900.0, 5000.0), _hol_rank(1, 1000.0, 5100.0)]
     for rank in gc:
         for rnd in rank["rounds"]:
-            # (ms from start, step ms, hook ms, digest ms): the first step digests nothing.
-            rnd["step_log"] = [[1.0, 50.0, 9.0, 0.0], [2.0, 10.0, 1.0, 0.1], [3.0, 30.0, 3.0, 0.3]]
+            # (ms from start, step ms, hook ms, digest ms, rows digested): the first
+            # step had no structured rows.
+            rnd["step_log"] = [
+                [1.0, 50.0, 9.0, 0.002, 0],
+                [2.0, 10.0, 1.0, 0.1, 1],
+                [3.0, 30.0, 3.0, 0.3, 1],
+            ]
     xg = [_hol_rank(0, 6000.0, 6000.0), _hol_rank(1, 5500.0, 5600.0)]
     *_, digest = hol_records(xg, gc)
     assert digest.name == "vllm_tp2_mask_digest_gramcoord"
