@@ -27,6 +27,41 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The longest modules, longest first. `make test` runs `-n 2 --dist loadscope`:
+# xdist hands out modules most tests first by default, which leaves these
+# (few tests, each a multi-process run) for last, where one worker runs them
+# in a row while the other idles. Handed out first (pytest_configure turns
+# xdist's reordering off), the many short modules fill in at the end.
+SLOW_MODULES = (
+    "tests/launch/test_resume.py",
+    "tests/launch/test_cross_host_faults.py",
+    "tests/launch/test_faults.py",
+    "tests/launch/test_e2e.py",
+    "tests/launch/test_soak.py",
+    "tests/launch/test_cross_host_transport.py",
+    "tests/launch/test_progress.py",
+    "tests/launch/test_launchers.py",
+    "tests/launch/test_hostile_run.py",
+    "tests/coordinator/test_spawn.py",
+    "tests/launch/test_ray_cluster.py",
+    "tests/launch/test_two_hosts.py",
+    "tests/coordinator/test_two_level_hosts.py",
+    "tests/rank_worker/grammars/test_dev_schemas.py",
+)
+
+
+def pytest_configure(config):
+    # xdist's "most tests first" order would undo SLOW_MODULES (loadscope only).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """SLOW_MODULES first, in that order; every other module after them, as collected."""
+    first = {path: i for i, path in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: first.get(item.nodeid.partition("::")[0], len(first)))
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item):
     """pytest-timeout's limit of each test grows with the load (``tests/load.py``).
