@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gramcoord.benchmarks.simulated_hosts import NETNS_ETC, PREFIX, SimulatedHosts, available
+from tests.load import scaled
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")
@@ -42,7 +43,7 @@ def test_two_hosts_resolve_and_reach_each_other_then_vanish():
         assert names.stdout.strip() == "hostA"
         server = hosts.popen(1, [sys.executable, "-c", SERVER, "hostB"])
         try:
-            got = hosts.run(0, [sys.executable, "-c", CLIENT, "hostB"], timeout=60)
+            got = hosts.run(0, [sys.executable, "-c", CLIENT, "hostB"], timeout=scaled(60))
             assert got.stdout.split() == ["hostA", "hostB"], got.stderr
         finally:
             server.wait(timeout=30)

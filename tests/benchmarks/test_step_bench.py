@@ -24,9 +24,9 @@ from gramcoord.benchmarks._step_common import (
     step_samples_ms,
 )
 from gramcoord.benchmarks._step_ranks import WorldOptions
-from gramcoord.launch.procs import run_ranks
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.spec import validate_spec
+from tests.procs import run_ranks
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workload.jsonl"
 

@@ -13,6 +13,7 @@ import pytest
 from gramcoord.coordinator.status import PendingState
 from tests import load
 from tests.coordinator import light_ranks, ranks
+from tests.load import scaled
 from tests.procs import free_port, run_procs, run_ranks
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(120)]
@@ -144,7 +145,9 @@ def test_external_launcher_under_torch_distributed_run(tmp_path):
         str(Path(__file__).with_name("external_main.py")),
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(100)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = [msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1)]
     assert out[0]["history"] == out[1]["history"]

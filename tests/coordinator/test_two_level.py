@@ -21,6 +21,7 @@ from gramcoord.coordinator.layout import HostLevels, ParallelLayout
 from tests import load
 from tests.coordinator import two_level_ranks
 from tests.coordinator.fakes import TIMEOUT_S, ThreadComm, ThreadHub
+from tests.load import scaled
 from tests.procs import run_ranks
 
 
@@ -152,7 +153,7 @@ def test_two_level_over_real_hostnames_matches_flat():
         two_level_ranks.levels_body,
         world,
         args=(hosts, steps),
-        timeout=120,
+        timeout=scaled(120),
         env=two_level_ranks.ENV,
     )
     values = [r.value for r in results]

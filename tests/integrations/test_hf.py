@@ -55,11 +55,11 @@ import pytest
 import torch
 
 from gramcoord.integrations.hf.generate import GenerateSession
-from gramcoord.launch.procs import free_port, run_procs, run_ranks
 from gramcoord.rank_worker.config import TokenizerConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from tests.integrations import hf_ranks
-from tests.procs import torchrun_command
+from tests.load import scaled
+from tests.procs import free_port, run_procs, run_ranks, torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 24
@@ -218,7 +218,7 @@ def test_single_process_example_runs():
         env=env,
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=scaled(200),
     )
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[rank 0/1 partitioned]")]
@@ -233,7 +233,9 @@ def test_torchrun_example_two_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = torchrun_command(EXAMPLE, "--max-new-tokens", "8", log_dir=tmp_path / "torchrun")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(200)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         # Two ranks print to one pipe: lines may interleave, so count prefixes.

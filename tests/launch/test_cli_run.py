@@ -19,6 +19,7 @@ from gramcoord.launch import rank_main
 from gramcoord.launch.cli import main
 from tests.launch.e2e_support import CONFIGS, ROOT, LeakGuard, squash, write_workload
 from tests.launch.entries import descendants
+from tests.load import scaled
 
 
 @pytest.fixture
@@ -195,10 +196,12 @@ def _pip_install_target(src: Path, target: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         env=env,
-        timeout=240,
+        timeout=scaled(240),
     )
     if proc.returncode != 0:  # e.g. no setuptools here: an isolated build fetches it
-        proc = subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=240)
+        proc = subprocess.run(
+            [*base, *args], capture_output=True, text=True, env=env, timeout=scaled(240)
+        )
     return proc
 
 
@@ -221,7 +224,7 @@ def _run_installed(target: Path, cwd: Path, *argv: str) -> subprocess.CompletedP
         env={**env, "PYTHONPATH": str(target)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
 
 
@@ -307,7 +310,7 @@ def test_editable_install_exposes_only_gramcoord(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert run.returncode == 0, run.stderr
     path, names = run.stdout.splitlines()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gramcoord.launch.config_doc import COMMAND, page, reference
+from tests.load import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +52,10 @@ def test_printing_a_config_imports_neither_torch_nor_xgrammar():
         "print(sorted(m for m in ('torch', 'xgrammar', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -32,6 +32,7 @@ from tests.launch.e2e_support import (
     squash,
     write_workload,
 )
+from tests.load import scaled
 from tests.procs import free_port
 
 # One line per message: rich wraps console output at $COLUMNS.
@@ -202,7 +203,9 @@ def test_external_launcher_matches_the_reference(tmp_path, small_workload, capfd
         str(out),
         *sets(*fast()),
     ]
-    proc = run_cmd(argv, timeout=180, cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "COLUMNS": "1000"})
+    proc = run_cmd(
+        argv, timeout=scaled(180), cwd=tmp_path, env={"OMP_NUM_THREADS": "1", "COLUMNS": "1000"}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Rank 0 prints what `gramcoord run` prints, once, and where the outputs are.
     assert squash(proc.stdout).count("gramcoord run: ") == 1, proc.stdout

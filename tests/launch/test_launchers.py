@@ -18,6 +18,7 @@ from gramcoord.launch.launchers import (
     launch_torchrun,
 )
 from tests.launch.entries import decode, descendants, job, wait_for_no_descendants
+from tests.load import scaled
 
 ENTRY = "tests.launch.entries:allreduce"
 
@@ -147,7 +148,7 @@ def test_a_rank_on_a_niced_ray_worker_takes_the_drivers_priority_back_or_says_wh
         ["nice", "-n", "15", sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=scaled(100),
     )
     assert res.returncode == 0, res.stderr
     if os.geteuid() == 0:  # CAP_SYS_NICE: the priority comes back

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gramcoord.launch.cli import _parser
+from tests.load import scaled
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,7 +50,7 @@ def _make(*args: str, venv: Path, sglang_venv: Path | None = None) -> subprocess
         ["make", "-C", str(ROOT), f"VLLM_VENV={venv}", *sglang, *args],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.load import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A store call blocked on a daemon thread, timing out (in C++) while the
@@ -90,7 +92,11 @@ def _run(tmp_path: Path, program: str, how: str) -> subprocess.CompletedProcess:
     path = tmp_path / "prog.py"
     path.write_text(textwrap.dedent(program))
     return subprocess.run(
-        [sys.executable, str(path), how], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, str(path), how],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
     )
 
 

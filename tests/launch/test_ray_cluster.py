@@ -16,6 +16,7 @@ import pytest
 from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available
 from gramcoord.launch.cli import main
 from gramcoord.launch.run import compare_runs
+from tests.load import scaled
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")
@@ -48,24 +49,24 @@ def test_ray_cluster_spreads_ranks_over_two_hosts(tmp_path, capfd):
                 0,
                 [*ENV, *start, "--head", "--port", "6379", "--node-ip-address", head,
                  "--include-dashboard", "false", "--temp-dir", str(temp / "a")],
-                timeout=120,
+                timeout=scaled(120),
             )  # fmt: skip
             assert r.returncode == 0, r.stderr[-2000:]
             r = hosts.run(
                 1,
                 [*ENV, *start, "--address", f"{head}:6379", "--node-ip-address",
                  hosts.addresses[1], "--temp-dir", str(temp / "b")],
-                timeout=120,
+                timeout=scaled(120),
             )  # fmt: skip
             assert r.returncode == 0, r.stderr[-2000:]
             out = tmp_path / "out"
             run = hosts.run(
                 0, [*ENV, str(BIN / "gramcoord"), "run", str(cfg), "--out", str(out)],
-                timeout=240, cwd=ROOT,
+                timeout=scaled(240), cwd=ROOT,
             )  # fmt: skip
             assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
             for i in (0, 1):
-                hosts.run(i, [str(BIN / "ray"), "stop", "--force"], timeout=60)
+                hosts.run(i, [str(BIN / "ray"), "stop", "--force"], timeout=scaled(60))
         placed = {
             m.group(1)
             for rank in (0, 1)

@@ -21,6 +21,7 @@ from gramcoord.launch.workload import (
 )
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
+from tests.load import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "configs" / "workload.jsonl"
@@ -174,7 +175,7 @@ def test_make_workload_output_decodes(tmp_path):
         [sys.executable, str(ROOT / "configs" / "make_workload.py"), "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert proc.returncode == 0, proc.stderr
     assert len(load_workload(out)) == len(load_workload(SHIPPED))

@@ -26,6 +26,7 @@ from gramcoord.sync import (
     TransportTimeout,
     Welcome,
 )
+from tests.load import scaled
 from tests.sync.transport_peers import (
     MAX_ROWS,
     VOCAB,
@@ -152,10 +153,10 @@ def test_killed_writer_fails_readers_and_leaves_no_segment(peers, run_id, how):
     writer = peers.start(
         writer_main, ["tp1", "far"], run_id, writer_out, go, steps=5, config=config
     )
-    handle = writer_out.get(timeout=60)[2]
+    handle = writer_out.get(timeout=scaled(60))[2]
     for name, host in (("tp1", None), ("far", "far-node")):
         peers.start(reader_main, handle, name, list(range(10)), reader_out, hostname=host)
-    assert writer_out.get(timeout=60)[1] == "published"
+    assert writer_out.get(timeout=scaled(60))[1] == "published"
     assert shm_names(run_id) == [handle.ring.name]
     assert os.stat(f"/dev/shm/{handle.ring.name}").st_mode & 0o777 == 0o600
     os.kill(writer.pid, how)

@@ -9,6 +9,7 @@ import tempfile
 import pytest
 
 from gramcoord.sync.janitor import PREFIX, Janitor, remove
+from tests.load import scaled
 from tests.sync.transport_peers import ring_owner_main, shm_names, wait_until
 
 
@@ -28,7 +29,7 @@ from tests.sync.transport_peers import ring_owner_main, shm_names, wait_until
 def test_owner_leaves_no_segment_however_it_ends(peers, run_id, ending, send, exitcode):
     out = peers.queue()
     owner = peers.start(ring_owner_main, run_id, out, ending)
-    _, what, name, _, _ = out.get(timeout=60)
+    _, what, name, _, _ = out.get(timeout=scaled(60))
     assert what == "created" and name.startswith(f"{PREFIX}-{run_id}-")
     if send is not None:
         os.kill(owner.pid, send)

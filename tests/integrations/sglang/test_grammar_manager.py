@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
+from tests.load import scaled
 from tests.procs import run_ranks
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
@@ -33,7 +34,7 @@ def results():
     out = run_ranks(
         "tests.integrations.sglang.ranks:scenarios",
         2,
-        timeout=240,
+        timeout=scaled(240),
         init_timeout_s=60,
         env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )

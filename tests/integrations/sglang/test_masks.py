@@ -23,6 +23,7 @@ import torch
 
 from tests import dev_data
 from tests.integrations.sglang.host import host
+from tests.load import scaled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,7 +80,7 @@ def _grammars(backend, keys):
     out = []
     for key in keys:
         value, hit = backend.get_cached_or_future_value(key, False)
-        out.append(value if hit else value.result(timeout=120))
+        out.append(value if hit else value.result(timeout=scaled(120)))
     return out
 
 
@@ -194,7 +195,7 @@ def test_bad_input_becomes_sglangs_invalid_grammar(backends, key) -> None:
 
     ours_b, _ = backends
     value, hit = ours_b.get_cached_or_future_value(key, False)
-    grammar = value if hit else value.result(timeout=60)
+    grammar = value if hit else value.result(timeout=scaled(60))
     assert isinstance(grammar, InvalidGrammarObject)
     assert grammar.error_message
 

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("sglang")
 
 from tests.integrations.sglang.host import host
+from tests.load import scaled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,7 +117,7 @@ def test_sglangs_load_plugins_runs_register(tmp_path) -> None:
         cwd=root,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=scaled(240),
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]

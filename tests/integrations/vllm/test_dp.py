@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 
 from tests.integrations.vllm.dp_driver import POISON_MARK
 from tests.integrations.vllm.tiny_model import vllm_cpu_shm
+from tests.load import scaled
 from tests.procs import torchrun_command
 
 pytestmark = pytest.mark.timeout(900)
@@ -39,7 +40,9 @@ def dp_run(tiny_model, tmp_path_factory) -> dict[int, dict[str, Any]]:
         log_dir=out / "torchrun",
     )
     with vllm_cpu_shm():
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(800)
+        )
     logs = "".join(p.read_text(errors="replace")[-4000:] for p in out.rglob("std*.log"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:] + logs
     return {r: json.loads((out / f"replica{r}.json").read_text()) for r in (0, 1)}

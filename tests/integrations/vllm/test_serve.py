@@ -49,6 +49,7 @@ from gramcoord.benchmarks._vllm_serve import ServerProcess
 from gramcoord.integrations.vllm.options import UNENFORCED_HINT
 from tests.integrations.vllm.conftest import FAULT_BREAK, FAULT_HANG
 from tests.integrations.vllm.tiny_model import free_port
+from tests.load import scaled
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(900)]
 
@@ -109,7 +110,7 @@ def _scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / ".venv-vllm").symlink_to(Path(sys.prefix))
     built = subprocess.run(
         ["bash", "-c", docs_blocks()["model"]], cwd=root, env=_env(root),
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=scaled(600),
     )  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
     return root
@@ -183,7 +184,9 @@ def test_the_docs_client_example_prints_a_valid_reply(server: Server) -> None:
     code = docs_blocks()["client"]
     assert "http://127.0.0.1:8000/v1" in code
     code = code.replace("http://127.0.0.1:8000/v1", f"{server.url}/v1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300)
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) in ("red", "green", "blue"), out.stdout
 
@@ -295,7 +298,7 @@ def test_fifty_concurrent_requests(server: Server) -> None:
         finally:
             await client.close()
 
-    replies = asyncio.run(asyncio.wait_for(ask_all(), timeout=600))
+    replies = asyncio.run(asyncio.wait_for(ask_all(), timeout=scaled(600)))
     assert len(replies) == 50
     finished = sum(_check(name, r.choices[0]) for name, r in zip(names, replies))
     assert finished >= 3 * 50 // len(SCHEMAS), finished

@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from tests.integrations.vllm.conftest import fast_schemas, schema
 from tests.integrations.vllm.test_engine import PROMPT, _params, _run
 from tests.integrations.vllm.tiny_model import vllm_cpu_shm
+from tests.load import scaled
 from tests.procs import torchrun_command
 
 pytestmark = pytest.mark.timeout(900)
@@ -80,7 +81,9 @@ def tp_out(tiny_model, tmp_path_factory) -> Path:
         tee=True,  # the test reads each rank's log
     )
     with vllm_cpu_shm():
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=800)
+        proc = subprocess.run(
+            cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=scaled(800)
+        )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return out
 

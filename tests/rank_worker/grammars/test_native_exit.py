@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.load import scaled
+
 ROOT = Path(__file__).resolve().parents[3]
 
 # Finalization outlasts any compile here: the abort comes when a compile
@@ -111,7 +113,7 @@ def _no_abort(proc: subprocess.CompletedProcess[str]) -> None:
 )
 def test_exit_with_compiles_in_flight_keeps_the_status(tmp_path, mode, status):
     out = tmp_path / "out.txt"
-    proc = _run(["-c", HOST, mode, str(out)], timeout=100)
+    proc = _run(["-c", HOST, mode, str(out)], timeout=scaled(100))
     _no_abort(proc)
     assert proc.returncode == status, proc.stderr
     assert proc.stdout == "results written\n"  # flushed; left before finalization
@@ -123,7 +125,7 @@ def test_exit_with_compiles_in_flight_keeps_the_status(tmp_path, mode, status):
 @pytest.mark.timeout(120)
 def test_exit_with_nothing_in_flight_finalizes_as_usual(tmp_path):
     out = tmp_path / "out.txt"
-    proc = _run(["-c", HOST, "idle", str(out)], timeout=100)
+    proc = _run(["-c", HOST, "idle", str(out)], timeout=scaled(100))
     _no_abort(proc)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "results written\nfinalized\n"
@@ -155,7 +157,7 @@ def test_check_exits_0_with_a_stuck_compile(tmp_path):
     workload.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "check.jsonl"
     args = [str(workload), "--out", str(out), "--set", "grammar.compile_timeout_s=0.3"]
-    proc = _run(["-c", CLI, "check", *args], timeout=170)
+    proc = _run(["-c", CLI, "check", *args], timeout=scaled(170))
     _no_abort(proc)
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -181,7 +183,7 @@ def test_a_forked_child_inherits_no_calls():
             print(os.waitpid(pid, 0)[1] >> 8, native_exit.in_flight())
         """
     )
-    proc = _run(["-c", script], timeout=60)
+    proc = _run(["-c", script], timeout=scaled(60))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["10", "1"]
     assert native_exit.in_flight() == 0

@@ -28,6 +28,7 @@ from gramcoord.rank_worker.grammars.schema_tree import canonical_tree
 from gramcoord.rank_worker.grammars.schema_walk import walk
 from gramcoord.rank_worker.grammars.spec import validate_spec
 from gramcoord.rank_worker.native_log import native_log_path
+from tests.load import scaled
 
 ONE_OF_WARNING = "falling back to anyOf semantics"
 
@@ -446,7 +447,7 @@ def test_native_lines_go_to_the_log_file(tmp_path):
         [sys.executable, "-c", _CHILD, str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
