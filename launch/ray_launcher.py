@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -136,10 +138,33 @@ def _init(kwargs: dict[str, Any]) -> None:
     auth_log = logging.getLogger(_AUTH_LOGGER)
     level = auth_log.level
     auth_log.setLevel(logging.ERROR)
+    before = _children()
     try:
         ray.init(**kwargs)
+    except BaseException:
+        # A start that failed part-way (a timeout on a loaded machine) leaves
+        # the head's processes (gcs_server, raylet, dashboard, monitors)
+        # running with no ray instance that would stop them: end them here.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        for pid in _children() - before:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        raise
     finally:
         auth_log.setLevel(level)
+
+
+def _children() -> set[int]:
+    """The pids of this process's children (Linux ``/proc``; empty elsewhere)."""
+    me = str(os.getpid())
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after it.
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
+                found.add(int(stat.parent.name))
+    return found
 
 
 def _run(entry, job, nproc, num_cpus_per_rank, strategy, deadline, deadline_s, placed, outcomes):

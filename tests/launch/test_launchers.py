@@ -156,3 +156,20 @@ def test_a_rank_on_a_niced_ray_worker_takes_the_drivers_priority_back_or_says_wh
     else:
         assert "start the ray cluster with RAY_worker_niceness=0" in res.stdout
         assert res.stdout.split()[-1] == "15"
+
+
+def test_a_ray_start_that_fails_part_way_leaves_no_process_behind(monkeypatch):
+    """A ``ray.init`` that times out after starting the head's processes: they are ended."""
+    from gramcoord.launch import ray_launcher
+
+    started = []
+
+    def failing_init(**kwargs):
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        raise TimeoutError("the head did not come up in time")
+
+    monkeypatch.setattr(ray_launcher.ray, "init", failing_init)
+    with pytest.raises(TimeoutError):
+        ray_launcher._init({})
+    (child,) = started
+    assert child.wait(timeout=scaled(10)) == -signal.SIGKILL
