@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -116,9 +117,26 @@ def _ppid(pid: str) -> int:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def _run_processes(run_id: str) -> list[str]:
+# A rank's janitor (sync/janitor.py) exits once the rank's pipe closes; on a
+# loaded machine it may still be on its way out when the run is collected.
+JANITOR_GRACE_S = 10.0
+
+
+def _run_processes(run_id: str, grace_s: float = JANITOR_GRACE_S) -> list[str]:
     """Live processes (not this one) whose command line or environment names
-    the run: ``gramcoord run`` exports ``GRAMCOORD_RUN_ID`` to its ranks."""
+    the run: ``gramcoord run`` exports ``GRAMCOORD_RUN_ID`` to its ranks.
+
+    Janitors of ranks that ended get ``grace_s`` to finish their exit.
+    """
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = _scan(run_id)
+        if not any("janitor.py" in f for f in found) or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
+
+
+def _scan(run_id: str) -> list[str]:
     found = []
     me = os.getpid()
     needle = f"{RUN_ID_ENV}={run_id}".encode()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import xgrammar as xgr
+from hypothesis import HealthCheck, settings
 
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import TokenizerConfig
@@ -18,6 +19,11 @@ from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.sync.janitor import remove
 from tests import dev_data, load
 from tests.sync.transport_peers import ipc_dirs, shm_names
+
+# No property test passes or fails on speed: no per-example deadline, and
+# no health check that times input generation (a loaded machine trips it).
+settings.register_profile("gramcoord", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("gramcoord")
 
 # A suite started in the background (`cmd &`, nohup) inherits SIGINT ignored,
 # and Python then never raises KeyboardInterrupt. The Ctrl-C tests send real

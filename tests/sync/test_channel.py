@@ -292,7 +292,7 @@ def test_hypothesis_frames_never_break_a_reader(run_id, kind, spin_us):
         @settings(
             max_examples=150,
             deadline=None,
-            suppress_health_check=[HealthCheck.function_scoped_fixture],
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
         )
         @given(frames=FRAMES)
         def check(frames):
