@@ -117,7 +117,7 @@ def launch_ray(
     outcomes: dict[int, RankOutcome] = {}
     try:
         if started:
-            _init(_init_kwargs(address, nproc * num_cpus_per_rank, node_ip))
+            _init(_init_kwargs(address, nproc * num_cpus_per_rank, node_ip), deadline)
         _run(entry, job, nproc, num_cpus_per_rank, strategy, deadline, deadline_s, placed, outcomes)
     except Exception as exc:  # ray itself failed (start, placement, an actor's start)
         why = "".join(traceback.format_exception(exc))
@@ -134,7 +134,34 @@ def launch_ray(
     return [outcomes[r] for r in range(nproc)]
 
 
-def _init(kwargs: dict[str, Any]) -> None:
+# Ray waits a fixed 30 s for its own raylet to register with the GCS
+# (``ray._private.node``); a loaded machine can take longer. Such a start is
+# tried again while the run's deadline leaves room for one.
+STARTUP_TIMED_OUT = "timed out during startup"
+START_ATTEMPTS = 3
+START_ROOM_S = 40.0
+
+_log = logging.getLogger(__name__)
+
+
+def _init(kwargs: dict[str, Any], deadline: float | None = None) -> None:
+    """``ray.init(**kwargs)``; a local start Ray timed out is tried again before ``deadline``.
+
+    A start that fails part-way has its processes ended before it is tried
+    again or the error is raised.
+    """
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            _init_once(kwargs)
+            return
+        except Exception as exc:
+            room = deadline is None or deadline - time.monotonic() > START_ROOM_S
+            if STARTUP_TIMED_OUT not in str(exc) or attempt == START_ATTEMPTS or not room:
+                raise
+            _log.warning("ray start %d of %d: %s; trying again", attempt, START_ATTEMPTS, exc)
+
+
+def _init_once(kwargs: dict[str, Any]) -> None:
     auth_log = logging.getLogger(_AUTH_LOGGER)
     level = auth_log.level
     auth_log.setLevel(logging.ERROR)

@@ -173,3 +173,56 @@ def test_a_ray_start_that_fails_part_way_leaves_no_process_behind(monkeypatch):
         ray_launcher._init({})
     (child,) = started
     assert child.wait(timeout=scaled(10)) == -signal.SIGKILL
+
+
+def test_a_ray_start_that_ray_timed_out_is_tried_again(monkeypatch):
+    """Ray's fixed 30 s wait for its raylet, ran out on a loaded machine: a second start runs."""
+    from gramcoord.launch import ray_launcher
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    monkeypatch.setattr(ray_launcher.ray, "init", init)
+    ray_launcher._init({"address": "local"}, deadline=time.monotonic() + 300)
+    assert calls == [{"address": "local"}] * 2
+
+
+@pytest.mark.parametrize(
+    ("message", "room_s"),
+    [("some other failure", 300.0), ("The current node timed out during startup.", 5.0)],
+    ids=["other-error", "no-room-left"],
+)
+def test_a_ray_start_is_not_tried_again_for_another_error_or_past_the_deadline(
+    monkeypatch, message, room_s
+):
+    from gramcoord.launch import ray_launcher
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise Exception(message)
+
+    monkeypatch.setattr(ray_launcher.ray, "init", init)
+    with pytest.raises(Exception, match=message):
+        ray_launcher._init({}, deadline=time.monotonic() + room_s)
+    assert len(calls) == 1
+
+
+def test_a_ray_start_is_tried_at_most_three_times(monkeypatch):
+    from gramcoord.launch import ray_launcher
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray_launcher.ray, "init", init)
+    with pytest.raises(Exception, match="timed out during startup"):
+        ray_launcher._init({}, deadline=time.monotonic() + 3600)
+    assert len(calls) == ray_launcher.START_ATTEMPTS == 3
