@@ -35,6 +35,24 @@ workload: {path: %s, limit: 8}
 """
 
 
+# What Ray's own logs say of lost nodes and workers: a failed run is read
+# after the temp dir is gone.
+RAY_NEWS = re.compile(r"dead|died|failed|timed? ?out|killed|exit", re.IGNORECASE)
+
+
+def _ray_news(temp: Path, per_file: int = 15) -> str:
+    lines = []
+    for log in sorted(temp.glob("*/session_latest/logs/*")):
+        if log.name.startswith(("raylet", "gcs_server")) and log.suffix in (".out", ".err"):
+            hits = [
+                ln for ln in log.read_text(errors="replace").splitlines() if RAY_NEWS.search(ln)
+            ]
+            lines += [
+                f"{log.parent.parent.parent.name}/{log.name}: {ln[:300]}" for ln in hits[-per_file:]
+            ]
+    return "\n".join(lines)
+
+
 @pytest.mark.spawn
 @pytest.mark.timeout(300)
 def test_ray_cluster_spreads_ranks_over_two_hosts(tmp_path, capfd):
@@ -64,7 +82,7 @@ def test_ray_cluster_spreads_ranks_over_two_hosts(tmp_path, capfd):
                 0, [*ENV, str(BIN / "gramcoord"), "run", str(cfg), "--out", str(out)],
                 timeout=scaled(240), cwd=ROOT,
             )  # fmt: skip
-            assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+            assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:], _ray_news(temp))
             for i in (0, 1):
                 hosts.run(i, [str(BIN / "ray"), "stop", "--force"], timeout=scaled(60))
         placed = {
