@@ -386,11 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    if summary is not None:  # rank 0: what `gramcoord run` prints
-        _print_summary(summary, Path(job.out_dir))
-    if summary is not None and summary.determinism.mismatches:
-        return 3
-    return 0
+    if summary is None:  # ranks other than 0
+        return 0
+    _print_summary(summary, Path(job.out_dir))  # what `gramcoord run` prints
+    return 3 if summary.determinism.mismatches else 0
 
 
 if __name__ == "__main__":
