@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -31,6 +30,7 @@ from gramcoord.launch.launchers import (
     run_rank,
 )
 from gramcoord.launch.procs import free_port, match_priority
+from gramcoord.launch.resources import parent_pid
 
 __all__ = ["launch_ray"]
 
@@ -184,14 +184,10 @@ def _init_once(kwargs: dict[str, Any]) -> None:
 
 def _children() -> set[int]:
     """The pids of this process's children (Linux ``/proc``; empty elsewhere)."""
-    me = str(os.getpid())
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):
-            # "pid (comm) state ppid ...": comm may hold spaces, so split after it.
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
-                found.add(int(stat.parent.name))
-    return found
+    if not os.path.isdir("/proc"):
+        return set()
+    me = os.getpid()
+    return {int(p) for p in os.listdir("/proc") if p.isdigit() and parent_pid(p) == me}
 
 
 def _run(entry, job, nproc, num_cpus_per_rank, strategy, deadline, deadline_s, placed, outcomes):

@@ -109,11 +109,13 @@ class ResourceProbe:
 RUN_ID_ENV = "GRAMCOORD_RUN_ID"
 
 
-def _ppid(pid: str) -> int:
+def parent_pid(pid: int | str) -> int:
+    """The parent of ``pid`` (Linux ``/proc``), -1 when it is gone or unreadable."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return -1
+    # "pid (comm) state ppid ...": comm may hold spaces, so split after it.
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
@@ -148,7 +150,7 @@ def _scan(run_id: str) -> list[str]:
             env = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if b"multiprocessing.resource_tracker" in cmd and _ppid(pid) == me:
+        if b"multiprocessing.resource_tracker" in cmd and parent_pid(pid) == me:
             continue  # this process's own tracker: it ends when this process does
         if int(pid) == fork_server.server_pid():
             continue  # this process's fork server: the same (its children count)
