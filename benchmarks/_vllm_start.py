@@ -78,7 +78,7 @@ def _llm_start(model: Path, backend: str, work: Path, timeout_s: float) -> float
 
 def _server_start(model: Path, backend: str, work: Path, timeout_s: float) -> float:
     from gramcoord.benchmarks._vllm_serve import ServerProcess, serve_args
-    from gramcoord.launch.procs import free_port
+    from gramcoord.launch.ports import free_port
 
     port = free_port()
     log = work / f"start-server-{backend}-{time.monotonic_ns()}.log"

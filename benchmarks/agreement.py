@@ -43,7 +43,8 @@ import argparse
 import sys
 
 from gramcoord.benchmarks._contract import BenchRecord
-from gramcoord.launch.procs import free_port, run_procs
+from gramcoord.launch.ports import free_port
+from gramcoord.launch.procs import run_procs
 
 CHILD_TIMEOUT_S = 600
 

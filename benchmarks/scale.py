@@ -56,7 +56,8 @@ from gramcoord.benchmarks._agreement_sglang import local_status, sglang_step
 from gramcoord.benchmarks._contract import BenchRecord, interleaved_ms
 from gramcoord.benchmarks._scale_hosts import placement, sigterm_unwinds
 from gramcoord.benchmarks._scale_plot import write_svg
-from gramcoord.launch.procs import free_port, run_procs
+from gramcoord.launch.ports import free_port
+from gramcoord.launch.procs import run_procs
 
 CHILD_TIMEOUT_S = 300
 PATHS = ("object", "gather", "reduce")

@@ -44,7 +44,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +51,7 @@ from pathlib import Path
 from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks._vllm_records import hol_records, load_json, step_records
 from gramcoord.benchmarks._vllm_turns import Child, ChildFailed, run_in_turns
+from gramcoord.launch.ports import free_port
 
 NOT_INSTALLED = (
     "gramcoord bench vllm needs vLLM 0.32 in this environment (not importable here); "
@@ -106,12 +106,6 @@ def _parse(args: list[str]) -> argparse.Namespace:
     return opts
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _common(opts: argparse.Namespace, model: Path, work: Path) -> list[str]:
     out = ["--model", str(model), "--max-tokens", str(opts.max_tokens)]
     out += ["--cache-root", str(work / "vllm-cache")]
@@ -146,7 +140,7 @@ def _hol(opts: argparse.Namespace, model: Path, work: Path, cores: str) -> list[
     for backend, cpus in zip(BACKENDS, compile_cpus):
         name = f"hol-{cores}-{backend}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         cmd += ["--log-dir", str(work / f"{name}.torchrun")]
         cmd += ["-m", "gramcoord.benchmarks._vllm_child", "hol", "--backend", backend]
         cmd += [*_common(opts, model, work), "--out-dir", str(work / name)]

@@ -31,7 +31,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from gramcoord.launch import fork_server, stack_dump
+from gramcoord.launch.ports import free_port
 
 __all__ = [
     "ProcGroup",
@@ -100,13 +100,6 @@ class SpawnError(RuntimeError):
     def __init__(self, results: list[ProcResult], reason: str) -> None:
         self.results = results
         super().__init__(format_failures(results, reason))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve(target: Callable[..., Any] | str) -> Callable[..., Any]:

@@ -29,7 +29,8 @@ from gramcoord.launch.launchers import (
     rank_env,
     run_rank,
 )
-from gramcoord.launch.procs import free_port, match_priority
+from gramcoord.launch.ports import free_port
+from gramcoord.launch.procs import match_priority
 from gramcoord.launch.resources import parent_pid
 
 __all__ = ["launch_ray"]

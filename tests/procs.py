@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from gramcoord.launch import procs as _procs
-from gramcoord.launch.procs import ProcGroup, ProcResult, SpawnError, free_port
+from gramcoord.launch.ports import free_port
+from gramcoord.launch.procs import ProcGroup, ProcResult, SpawnError
 from tests.load import scaled
 
 __all__ = [

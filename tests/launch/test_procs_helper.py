@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gramcoord.launch.procs import ProcGroup, SpawnError, format_failures, free_port, run_procs
+from gramcoord.launch import ports
+from gramcoord.launch.ports import free_port
+from gramcoord.launch.procs import ProcGroup, SpawnError, format_failures, run_procs
 from tests.launch.entries import descendants
 
 
@@ -35,6 +37,23 @@ def _ignore_sigterm(ready):
 
 def test_free_port_is_bindable_on_the_host():
     port = free_port("127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_free_port_is_never_one_an_outgoing_connection_can_take():
+    # The CI failure this guards: bind(0) gave an ephemeral port, and a
+    # connect elsewhere took it before the TCPStore listened (EADDRINUSE).
+    low = ports.ephemeral_low()
+    picked = {free_port("127.0.0.1") for _ in range(50)}
+    assert all(20000 <= p < low for p in picked), sorted(picked)
+    assert len(picked) > 1
+
+
+def test_free_port_falls_back_to_the_os_when_no_room_is_left(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_low", lambda: 20500)
+    port = free_port("127.0.0.1")
+    assert port >= 20500  # the OS's pick, from its own range
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 

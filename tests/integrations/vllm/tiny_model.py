@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gramcoord.benchmarks._vllm_common import EOS_ID
 from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model as build_tiny_model
-from gramcoord.launch.procs import free_port
+from gramcoord.launch.ports import free_port
 
 __all__ = [
     "CPU_ENV",
