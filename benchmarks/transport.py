@@ -51,7 +51,6 @@ import os
 import pickle
 import secrets
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ import numpy as np
 
 from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue, QueueHandle
+from gramcoord.launch.ports import free_port
 from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig
 
 WIDTH = 4748  # ceil(151936 / 32)
@@ -271,9 +271,7 @@ def _zmq(array: np.ndarray, iters: int, warmup: int, *, pickled: bool, tcp: bool
 
 def _gloo(array: np.ndarray, iters: int, warmup: int) -> list[float]:
     count = iters + warmup
-    with socket.socket() as probe:  # gloo needs the port up front
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # gloo needs the port up front
     ranks = [_spawn("gloo", rank, port, array.shape[0], count) for rank in (0, 1)]
     sent, received = (_stamps(p) for p in ranks)
     return _one_way_ms(sent, received, warmup)
