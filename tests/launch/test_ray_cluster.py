@@ -16,6 +16,7 @@ import pytest
 from gramcoord.benchmarks.simulated_hosts import SimulatedHosts, available
 from gramcoord.launch.cli import main
 from gramcoord.launch.run import compare_runs
+from tests import load
 from tests.load import scaled
 
 OK, WHY = available()
@@ -25,14 +26,33 @@ BIN = Path(sys.executable).parent
 # Token authentication off on every node and the driver alike (Ray >= 2.5x).
 ENV = ["env", "RAY_USAGE_STATS_ENABLED=0", "RAY_AUTH_MODE=disabled", "OMP_NUM_THREADS=1"]
 
+# The run's deadlines are the quiet ones scaled by the load (a loaded run
+# lost a rank to a fixed 30 s step timeout at load average 28).
 CONFIG = """\
 launcher: ray
 parallel: {dp: 2, pp: 1, tp: 1, requests: replicated}
-distributed: {step_timeout_s: 30, run_timeout_s: 200, ray_address: "%s:6379",
+distributed: {step_timeout_s: %s, run_timeout_s: %s, ray_address: "%s:6379",
               ray_strategy: STRICT_SPREAD}
-grammar: {compile_timeout_s: 10}
+grammar: {compile_timeout_s: %s}
 workload: {path: %s, limit: 8}
 """
+
+
+def _config(head: str) -> str:
+    f = load.factor()
+    return CONFIG % (
+        load.step_timeout(30, f),
+        load.step_timeout(200, f),
+        head,
+        load.step_timeout(10, f),
+        ROOT / "configs" / "workload.jsonl",
+    )
+
+
+def _failures(out: Path) -> str:
+    """What the run's ranks said, when it failed (its stdout only names the file)."""
+    path = out / "logs" / "failures.log"
+    return path.read_text(errors="replace")[-3000:] if path.exists() else "(no failures.log)"
 
 
 # What Ray's own logs say of lost nodes and workers: a failed run is read
@@ -61,7 +81,7 @@ def test_ray_cluster_spreads_ranks_over_two_hosts(tmp_path, capfd):
         with SimulatedHosts(2) as hosts:
             head = hosts.addresses[0]
             cfg = tmp_path / "ray.yaml"
-            cfg.write_text(CONFIG % (head, ROOT / "configs" / "workload.jsonl"))
+            cfg.write_text(_config(head))
             start = [str(BIN / "ray"), "start", "--num-cpus", "1", "--disable-usage-stats"]
             r = hosts.run(
                 0,
@@ -82,7 +102,12 @@ def test_ray_cluster_spreads_ranks_over_two_hosts(tmp_path, capfd):
                 0, [*ENV, str(BIN / "gramcoord"), "run", str(cfg), "--out", str(out)],
                 timeout=scaled(240), cwd=ROOT,
             )  # fmt: skip
-            assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:], _ray_news(temp))
+            assert run.returncode == 0, (
+                _failures(out),
+                run.stdout[-1000:],
+                run.stderr[-2000:],
+                _ray_news(temp),
+            )
             for i in (0, 1):
                 hosts.run(i, [str(BIN / "ray"), "stop", "--force"], timeout=scaled(60))
         placed = {
