@@ -58,17 +58,20 @@ def test_two_hosts_resolve_and_reach_each_other_then_vanish():
 
 @pytest.mark.timeout(120)
 def test_partition_cuts_a_host_off_and_heal_reconnects_it():
-    probe = "import socket, sys; socket.create_connection((sys.argv[1], 9), timeout=1)"
+    probe = "import socket, sys; socket.create_connection((sys.argv[1], 9), float(sys.argv[2]))"
+    # A refusal answers at once, so its wait may be long (a loaded run's 1 s
+    # ran out first); a cut host never answers, so its wait is short.
+    room = str(scaled(10))
     with SimulatedHosts(2) as hosts:
         # Reachable: the connection is refused (nobody listens), not timed out.
-        refused = hosts.run(0, [sys.executable, "-c", probe, "hostB"])
-        assert "ConnectionRefusedError" in refused.stderr
+        refused = hosts.run(0, [sys.executable, "-c", probe, "hostB", room])
+        assert "ConnectionRefusedError" in refused.stderr, refused.stderr
         hosts.partition(1)
-        cut = hosts.run(0, [sys.executable, "-c", probe, "hostB"])
+        cut = hosts.run(0, [sys.executable, "-c", probe, "hostB", "1"])
         assert "TimeoutError" in cut.stderr or "timed out" in cut.stderr, cut.stderr
         hosts.heal(1)
-        again = hosts.run(0, [sys.executable, "-c", probe, "hostB"])
-        assert "ConnectionRefusedError" in again.stderr
+        again = hosts.run(0, [sys.executable, "-c", probe, "hostB", room])
+        assert "ConnectionRefusedError" in again.stderr, again.stderr
 
 
 @pytest.mark.timeout(60)
