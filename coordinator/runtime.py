@@ -251,7 +251,10 @@ def roll_call(
     reported lost. A store call can block without bound when the store's
     host is cut off (a network partition): its own timeout does not cover
     ``check``. So the calls run on a daemon thread, and a roll call that
-    does not finish in time counts as "the store host is unreachable".
+    does not finish in time counts as "the store host is unreachable",
+    unless the store answered a whole pass of checks: then it is reachable
+    and whoever that pass missed is lost (on a loaded machine the last pass
+    can outlast the wait by seconds).
 
     Returns
     -------
@@ -269,6 +272,7 @@ def roll_call(
             deadline = time.monotonic() + timeout_s
             while missing and time.monotonic() < deadline:
                 missing = {r for r in missing if not store.check([f"{prefix}{r}"])}
+                box["seen"] = missing  # a whole pass: the store is reachable
                 if missing:
                     time.sleep(0.02)
             box["missing"] = missing
@@ -278,8 +282,9 @@ def roll_call(
     worker = threading.Thread(target=call, name="roll-call", daemon=True)
     worker.start()
     worker.join(timeout_s + 0.5)
-    if "missing" in box:
-        return tuple(sorted(box["missing"])), f"no answer to the roll call within {timeout_s:.1f}s"
+    found = box.get("missing", box.get("seen"))
+    if found is not None:
+        return tuple(sorted(found)), f"no answer to the roll call within {timeout_s:.1f}s"
     what = type(box["error"]).__name__ if "error" in box else "no answer in time"
     if rank != 0:  # the store lives with rank 0 (Runtime.start, and torchrun's agent)
         return (0,), f"the store host (rank 0) is unreachable ({what})"

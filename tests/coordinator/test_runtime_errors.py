@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch.distributed as dist
@@ -115,17 +116,21 @@ def test_a_roll_call_gets_what_the_failed_call_left_of_its_timeout(
 
 
 class _Store:
-    """A rendezvous store where rank 1 answers at its ``answer_at``-th look."""
+    """A rendezvous store where rank 1 answers at its ``answer_at``-th look;
+    from its ``slow_from``-th look on, each look takes ``slow_s``."""
 
-    def __init__(self, answer_at: int | None) -> None:
+    def __init__(self, answer_at: int | None, slow_from: int = 0, slow_s: float = 0.0) -> None:
         self.keys: set[str] = set()
         self.looks, self.answer_at = 0, answer_at
+        self.slow_from, self.slow_s = slow_from, slow_s
 
     def set(self, key: str, value: str) -> None:
         self.keys.add(key)
 
     def check(self, keys: list[str]) -> bool:
         self.looks += 1
+        if self.slow_from and self.looks >= self.slow_from:
+            time.sleep(self.slow_s)
         if self.looks == self.answer_at:
             self.keys.add("p/1")
         return all(k in self.keys for k in keys)
@@ -135,3 +140,18 @@ def test_a_late_answer_within_the_window_is_not_lost_and_silence_is():
     assert roll_call(_Store(answer_at=5), "p/", 0, (0, 1), timeout_s=60.0)[0] == ()
     lost, how = roll_call(_Store(answer_at=None), "p/", 0, (0, 1), timeout_s=0.1)
     assert lost == (1,) and "no answer to the roll call within 0.1s" in how
+
+
+def test_a_store_that_answered_a_pass_is_reachable_however_slow_its_last_check():
+    # A loaded run: the last check overran the wait, and the survivor could
+    # not name the rank its dead host took with it.
+    store = _Store(answer_at=None, slow_from=3, slow_s=2.0)
+    lost, how = roll_call(store, "p/", 0, (0, 1), timeout_s=0.1)
+    assert lost == (1,) and "no answer to the roll call" in how
+
+
+def test_a_store_that_never_answers_is_the_lost_store_host():
+    store = _Store(answer_at=None, slow_from=1, slow_s=2.0)
+    lost, how = roll_call(store, "p/", 0, (0, 1), timeout_s=0.1)
+    assert lost == () and "the store host may be lost" in how
+    assert roll_call(store, "p/", 1, (0, 1), timeout_s=0.1)[0] == (0,)
