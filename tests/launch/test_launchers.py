@@ -79,6 +79,7 @@ def test_entry_must_return_bytes():
 @pytest.mark.spawn
 @pytest.mark.timeout(180)
 def test_torchrun(kwargs, deadline_s):
+    deadline_s = scaled(deadline_s)  # quiet; a loaded run ran past a fixed 90 s
     before = descendants()
     start = time.monotonic()
     outcomes = launch_torchrun(ENTRY, job(**kwargs), nproc=2, deadline_s=deadline_s)
@@ -94,7 +95,7 @@ def test_torchrun(kwargs, deadline_s):
             (0, False, "deadline"),
             (1, False, "deadline"),
         ]
-        assert deadline_s <= took < deadline_s + 10
+        assert deadline_s <= took < deadline_s + scaled(10)
 
 
 @pytest.mark.spawn
@@ -105,7 +106,7 @@ def test_torchrun_keyboard_interrupt_stops_every_rank():
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            launch_torchrun(ENTRY, job(hang_rank=1), nproc=2, deadline_s=120)
+            launch_torchrun(ENTRY, job(hang_rank=1), nproc=2, deadline_s=scaled(120))
     finally:
         timer.cancel()
     assert_nothing_left(before)
@@ -121,7 +122,9 @@ def test_ray(kwargs):
     from gramcoord.launch.ray_launcher import launch_ray
 
     before = descendants()
-    outcomes = launch_ray(ENTRY, job(**kwargs), nproc=2, deadline_s=120, num_cpus_per_rank=1)
+    outcomes = launch_ray(
+        ENTRY, job(**kwargs), nproc=2, deadline_s=scaled(120), num_cpus_per_rank=1
+    )
     # Ray's own processes (gcs, raylet, workers) wind down after shutdown.
     assert wait_for_no_descendants(before) == set()
     if kwargs:
