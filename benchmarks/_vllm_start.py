@@ -10,6 +10,12 @@ process on the same tiny model:
 - ``server``: the OpenAI server of docs/vllm.md (``_vllm_serve.serve_args``),
   timed from its spawn until ``/health`` answers 200.
 
+Before the timed rounds, each kind starts once per backend untimed: the
+first start on a machine fills vLLM's cache directory and the page cache
+for every module both backends load, and ABBA would hand that cost to
+whichever backend round 0 runs first (gramcoord: 93.5 s of CPU for its
+first offline start against 66.5 s for its second, on a quiet machine).
+
 The baseline is vLLM as if gramcoord were not installed: backend
 ``xgrammar`` with ``VLLM_PLUGINS=""``, so vLLM loads no plugin, and the
 gramcoord start pays for the plugin in every process vLLM starts. Records:
@@ -99,9 +105,13 @@ def measure(model: Path, work: Path, rounds: int, timeout_s: float) -> dict[str,
     got: dict[str, dict[str, list[float]]] = {
         kind: {b: [] for b in BACKENDS} for kind in ("llm", "server")
     }
+    for backend in BACKENDS:  # untimed warm-up (module docstring)
+        _llm_start(model, backend, work, timeout_s)
     for backend in order(rounds):
         got["llm"][backend].append(_llm_start(model, backend, work, timeout_s))
         print(f"bench vllm start: LLM(...) {backend} {got['llm'][backend][-1]:.1f} s", flush=True)
+    for backend in BACKENDS:
+        _server_start(model, backend, work, timeout_s)
     for backend in order(rounds):
         got["server"][backend].append(_server_start(model, backend, work, timeout_s))
         print(f"bench vllm start: server {backend} {got['server'][backend][-1]:.1f} s", flush=True)
@@ -126,7 +136,7 @@ def start_records(got: dict[str, Any]) -> list[BenchRecord]:
                 statistics.median(gc) * 1e3,
                 statistics.median(xg) * 1e3,
                 target=START_TARGET,
-                note=f"{text}; {got['rounds']} rounds ABBA; xgrammar with VLLM_PLUGINS='' "
+                note=f"{text}; {got['rounds']} rounds ABBA after one untimed start each; xgrammar with VLLM_PLUGINS='' "
                 f"(gramcoord not loaded); pair ratios xgrammar/gramcoord: {pairs}; "
                 f"gramcoord s: {', '.join(f'{s:.1f}' for s in gc)}; "
                 f"xgrammar s: {', '.join(f'{s:.1f}' for s in xg)}",
