@@ -131,6 +131,10 @@ def test_check_runs_anywhere_and_logs_beside_out(tmp_path, tiny_tokenizer, monke
     log goes beside --out FILE, nothing lands in runs/."""
     monkeypatch.setattr("gramcoord.launch.check.load_tokenizer", lambda cfg: tiny_tokenizer)
     monkeypatch.chdir(tmp_path)
+    # The stdout case keeps its folder when the native log is not empty
+    # (anything on fd 2 meanwhile): it must land in tmp_path, not /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     seen = []
     monkeypatch.setattr(
         "gramcoord.launch.check.native_stderr_redirected",
