@@ -297,3 +297,48 @@ def test_exact_on_qwen_never_retokenizes(qwen_tokenizer, compile_json, schema, p
     assert output == before + qwen_tokenizer.encode(jumped)
     assert_same_state(state, compiled, output)
     assert jf.stats.num_tokens_replaced == 0
+
+
+def _dup_vocab() -> Tokenizer:
+    """Ids 2 and 5 spell ``ab``; 7 and 8 are specials (8 a stop); 6 is padding."""
+    spelled = [b"a", b"b", b"ab", b"abc", b"b\xff", b"ab", b"", b"<s>", b"</s>"]
+    return Tokenizer(
+        name="dup",
+        token_bytes=spelled,
+        special_ids={"<s>": 7, "</s>": 8},
+        stop_ids=(8,),
+        encoder=None,
+    )
+
+
+def test_the_exact_scan_table_lists_every_spelling_once_with_its_ids_in_order():
+    from gramcoord.rank_worker.masks.jump_forward import _Vocab
+
+    table = _Vocab(_dup_vocab())
+    assert table._keys == sorted({b"a", b"b", b"ab", b"abc", b"b\xff", b"<s>", b"</s>"})
+    ids = {k: table._flat[table._offsets[r] : table._offsets[r + 1]].tolist() for k, r in
+           table._rank.items()}  # fmt: skip
+    assert ids[b"ab"] == [2, 5] and ids[b"a"] == [0] and ids[b"</s>"] == [8]
+    assert table._max_len == 4
+    (offset,) = table.layout(b"ab", 1)
+    assert [(n, i.tolist()) for n, i in offset.inside] == [(2, [2, 5]), (1, [0])]
+    assert offset.past.tolist() == [3]  # "abc" runs past the forced "ab"
+
+
+def test_the_synthetic_index_keeps_the_first_id_and_no_stop():
+    from gramcoord.engine.models import vocab_index
+
+    index, longest = vocab_index(_dup_vocab())
+    assert index[b"ab"] == 2 and b"</s>" not in index and index[b"<s>"] == 7
+    assert b"" not in index and longest == 3  # "</s>" (4 bytes) is a stop
+
+
+def test_a_vocabulary_builds_its_encoder_and_full_info_on_first_use():
+    from gramcoord.rank_worker.grammars import tokenizer as tk
+
+    tok = tk._load_qwen("qwen2.5", 0)
+    assert tok._full_info is None and tok._encoder._encode is None
+    assert tok.encode("hello world") == [14990, 1879]
+    assert tok.full_info.decoded_vocab[151644] == b"<|im_start|>"
+    assert tok.info.decoded_vocab[151644] == b""  # a special outside constrained text
+    assert tok.max_token_bytes == max(len(t) for t in tok.token_bytes[:151643])
