@@ -77,10 +77,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # The engine tests fail, not skip, where vLLM is missing.
-VLLM_TEST := GRAMCOORD_REQUIRE_VLLM=1 OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest tests/integrations/vllm
+# Two pytest workers: in-process engines on one, engines in child processes
+# (server, torchrun, DP replicas) on the other (their conftest's _WORKER); an
+# engine starting or a server waiting on its client leaves a core idle that
+# the other worker uses.
+VLLM_TEST := GRAMCOORD_REQUIRE_VLLM=1 OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest tests/integrations/vllm -n 2 --dist loadgroup
 
-# Two pytest workers, a test module each at a time (module fixtures run once):
-# most multi-rank tests wait on timeouts and peers as much as they compute.
 SGLANG_TEST := GRAMCOORD_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 $(SGLANG_BIN)/python -m pytest tests/integrations/sglang
 
 # The project's bytecode is compiled once before the suites: the tests start
@@ -89,6 +91,9 @@ SGLANG_TEST := GRAMCOORD_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 $(SGLANG_BIN)/python
 # CPU each).
 PY_SOURCES := coordinator engine integrations launch rank_worker sync benchmarks tests
 
+# The main suite: two pytest workers, a test module each at a time (module
+# fixtures run once); most multi-rank tests wait on timeouts and peers as much
+# as they compute.
 test: lint $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m compileall -q $(PY_SOURCES) > /dev/null
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope

@@ -15,6 +15,7 @@ vLLM's own functions in the engine's process, and change nothing else.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -52,14 +53,25 @@ GRAMCOORD_CONFIG = {"gramcoord": {"grammar": {"compile_timeout_s": 600}}}
 
 def build_tiny_vllm_model(out: str | os.PathLike[str], *, seed: int = 0) -> Path:
     """Write the model and its tokenizer to ``out`` (once: a second call reuses it)."""
+    path = Path(out)
+    if (path / _DONE).is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Two builders at once (pytest workers, two checkouts) take turns; the
+    # second finds the first's model done.
+    with open(path.parent / f"{path.name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / _DONE).is_file():
+            _write_tiny_model(path, seed)
+    return path
+
+
+def _write_tiny_model(path: Path, seed: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from gramcoord.integrations.hf.tokenizer import qwen25_hf_tokenizer
 
-    path = Path(out)
-    if (path / _DONE).is_file():
-        return path
     path.mkdir(parents=True, exist_ok=True)
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE,
@@ -83,7 +95,6 @@ def build_tiny_vllm_model(out: str | os.PathLike[str], *, seed: int = 0) -> Path
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
     (path / _DONE).write_text("ok\n")
-    return path
 
 
 def cpu_env(cache_root: str | os.PathLike[str] | None = None) -> dict[str, str]:
