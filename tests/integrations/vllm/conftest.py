@@ -2,11 +2,6 @@
 
 vLLM's CPU environment (``tiny_model.CPU_ENV``) is set before vLLM is imported; the
 tiny model is built once per session; engines are shared per backend.
-
-``make test`` runs these on two pytest workers (``--dist loadgroup``): the
-modules that share the in-process engine slot run on one, in file order, so
-each engine starts once; the modules whose engines run in child processes
-(a server, torchrun, DP replicas) run on the other.
 """
 
 from __future__ import annotations
@@ -43,31 +38,6 @@ else:
         "VLLM_PLUGINS": "gramcoord",
     }.items():
         os.environ.setdefault(_k, _v)
-
-# The pytest worker each module runs on (``xdist_group``); a module missing
-# here is refused at collection, so a new one is placed on purpose.
-_WORKER = {
-    "test_bench_vllm": "in-process",
-    "test_compact": "in-process",
-    "test_engine": "in-process",
-    "test_failures": "in-process",
-    "test_plugin": "in-process",
-    "test_dp": "children",
-    "test_serve": "children",
-    "test_tp": "children",
-}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if item.path.parent != here:
-            continue  # the hook sees the whole session's items
-        name = item.path.stem
-        if name not in _WORKER:
-            raise pytest.UsageError(f"{item.path}: add {name!r} to _WORKER in {__file__}")
-        item.add_marker(pytest.mark.xdist_group(_WORKER[name]))
-
 
 # A loaded 2-core machine compiles the slow schema for tens of seconds.
 # Specs containing FAULT_BREAK fail to compile, and those containing
