@@ -96,6 +96,9 @@ class SimulatedHosts:
         self._switch = f"{PREFIX}{tag}sw"
         self._links = [f"{PREFIX[:2]}{tag}s{i}" for i in range(n)]  # switch side, <= 15 chars
         self._closed = False
+        # What popen started: killed by pid at close, since one that has not
+        # yet entered its namespace is not among the namespace's pids.
+        self._started: list[subprocess.Popen] = []
         atexit.register(self.close)
         try:
             self._build(tag)
@@ -153,7 +156,9 @@ class SimulatedHosts:
 
     def popen(self, host: int, argv: Sequence[str], **kw) -> subprocess.Popen:
         """Start ``argv`` on host ``host``; ``close`` kills whatever still runs there."""
-        return subprocess.Popen(self.command(host, argv), **kw)
+        proc = subprocess.Popen(self.command(host, argv), **kw)
+        self._started.append(proc)
+        return proc
 
     # -- faults ------------------------------------------------------------------
 
@@ -172,6 +177,9 @@ class SimulatedHosts:
         if self._closed:
             return
         self._closed = True
+        for proc in self._started:
+            if proc.poll() is None:
+                proc.kill()  # the same pid whatever it has exec'd into
         for ns in [*self.namespaces, self._switch]:
             _teardown_ns(ns)
         atexit.unregister(self.close)
