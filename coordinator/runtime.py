@@ -77,11 +77,7 @@ class Runtime(GroupCalls):
         )
 
     def _add_groups(self, named: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
-        # Creating a group waits for every member to reach it: a start-up
-        # exchange, so the start-up deadline (a peer still importing or
-        # loading its vocabulary is slow, not lost). Every call on the group
-        # then waits its own step deadline (GroupCalls._wait).
-        timeout = self._init_timeout / OP_SHARE
+        timeout = datetime.timedelta(seconds=self.step_timeout_s)
         # Every rank creates every group, in the layout's fixed order.
         for name, ranks in named:
             group = dist.new_group(list(ranks), timeout=timeout, backend="gloo")

@@ -66,16 +66,3 @@ def own_world_body(rank, world, port):
     second = coordinator.step(2, member).decision
     runtime.close()
     return dict(first=first.ready, second=second.ready, initialized=dist.is_initialized())
-
-
-def late_peer_body(rank, world, late_s):
-    """Rank 1 reaches Runtime.attach ``late_s`` after rank 0: past the step
-    timeout (1 s), well inside the start-up one (60 s)."""
-    if rank == 1:
-        time.sleep(late_s)
-    layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
-    cfg = DistributedConfig(init_timeout_s=60, step_timeout_s=1)
-    runtime = Runtime.attach(layout, distributed=cfg)
-    groups = sorted(runtime._groups)
-    runtime.close()
-    return groups

@@ -158,13 +158,6 @@ def test_external_launcher_under_torch_distributed_run(tmp_path):
     assert "compile_mode forced to 'sync'" in proc.stderr
 
 
-def test_a_peer_late_to_the_control_groups_is_slow_not_lost():
-    # Creating the groups waits the start-up deadline: a rank still importing
-    # or loading its vocabulary (seconds on a loaded machine) is not lost.
-    results = values(run_ranks(light_ranks.late_peer_body, 2, args=(3.0,), timeout=120))
-    assert results[0] == results[1] and results[0]
-
-
 def test_runtime_start_owns_and_releases_the_world():
     port = free_port()
     results = values(run_procs(light_ranks.own_world_body, 2, args=(port,), timeout=60))
