@@ -66,6 +66,7 @@ class Runtime(GroupCalls):
         self._owns_world = owns_world
         self._generation = next(_generations)
         # self.hosts: every rank's host name, with agreement_levels "host".
+        self._meet()
         self._add_groups(layout.control_groups())
         if agreement_levels == "host" and layout.world_size > 1:
             self.hosts = self._host_names()
@@ -75,6 +76,40 @@ class Runtime(GroupCalls):
             rank,
             ", ".join(f"{n}={list(r)}" for n, (_, r) in self._groups.items()) or "none",
         )
+
+    def _meet(self) -> None:
+        """Wait, up to the start-up deadline, until every rank is here.
+
+        Creating a group waits for every member with the group's own
+        timeout, the step deadline, which is also how long its connections
+        wait later; a peer still importing or loading its vocabulary is slow,
+        not lost. So the ranks first meet on the rendezvous store (a roll
+        call with the start-up deadline), and then create the groups within
+        moments of each other. Without a store there is nothing to meet on.
+        """
+        world = tuple(range(self.layout.world_size))
+        if self._store is None or len(world) == 1:
+            return
+        prefix = f"gramcoord/rt{self._generation}/start/"
+        lost, how = roll_call(
+            self._store,
+            prefix,
+            self.rank,
+            world,
+            timeout_s=self._init_timeout.total_seconds() / OP_SHARE,
+        )
+        if lost:
+            logger.error(
+                "[rank %d] ranks %s never came to start-up: %s", self.rank, list(lost), how
+            )
+            raise PeerLostError(
+                rank=self.rank,
+                ranks=lost,
+                operation="start-up",
+                step=-1,
+                group=world,
+                detail=f"{how}; the ranks never reached Runtime start-up",
+            )
 
     def _add_groups(self, named: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
         timeout = datetime.timedelta(seconds=self.step_timeout_s)

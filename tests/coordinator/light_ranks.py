@@ -6,6 +6,7 @@ a ``FakeMember`` with one ready request stands in for the manager.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import time
@@ -66,3 +67,34 @@ def own_world_body(rank, world, port):
     second = coordinator.step(2, member).decision
     runtime.close()
     return dict(first=first.ready, second=second.ready, initialized=dist.is_initialized())
+
+
+def late_peer_body(rank, world, late_s):
+    """Rank 1 reaches Runtime.attach ``late_s`` after rank 0: past the step
+    timeout (1 s), well inside the start-up one (60 s)."""
+    if rank == 1:
+        time.sleep(late_s)
+    layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
+    cfg = DistributedConfig(init_timeout_s=60, step_timeout_s=1)
+    runtime = Runtime.attach(layout, distributed=cfg)
+    groups = sorted(runtime._groups)
+    runtime.close()
+    return groups
+
+
+def absent_peer_body(rank, world):
+    """Rank 1 never attaches (it waits for rank 0 to give up): rank 0 names
+    it lost at start-up once the start-up deadline (1 s) passes."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["test/gave-up"], datetime.timedelta(seconds=120))
+        return None
+    layout = ParallelLayout(dp=world, pp=1, tp=1, requests="replicated")
+    cfg = DistributedConfig(init_timeout_s=1, step_timeout_s=1)
+    try:
+        Runtime.attach(layout, distributed=cfg)
+    except PeerLostError as exc:
+        return dict(ranks=exc.ranks, operation=exc.operation, message=str(exc))
+    finally:
+        store.set("test/gave-up", "1")
+    return None

@@ -158,6 +158,20 @@ def test_external_launcher_under_torch_distributed_run(tmp_path):
     assert "compile_mode forced to 'sync'" in proc.stderr
 
 
+def test_a_peer_late_to_the_control_groups_is_slow_not_lost():
+    # Creating the groups waits the start-up deadline: a rank still importing
+    # or loading its vocabulary (seconds on a loaded machine) is not lost.
+    results = values(run_ranks(light_ranks.late_peer_body, 2, args=(3.0,), timeout=120))
+    assert results[0] == results[1] and results[0]
+
+
+def test_a_peer_that_never_comes_is_named_at_start_up():
+    results = values(run_ranks(light_ranks.absent_peer_body, 2, timeout=120))
+    assert results[1] is None
+    assert results[0]["ranks"] == (1,) and results[0]["operation"] == "start-up"
+    assert "rank 1 lost during 'start-up'" in results[0]["message"]
+
+
 def test_runtime_start_owns_and_releases_the_world():
     port = free_port()
     results = values(run_procs(light_ranks.own_world_body, 2, args=(port,), timeout=60))
