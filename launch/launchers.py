@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 
+from gramcoord.launch import warm_fork
 from gramcoord.launch.procs import (
     child_env,
     format_failures,
@@ -183,10 +184,24 @@ def _torchrun_rank(entry: str, job: bytes) -> bytes:
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from gramcoord.launch.rank_process import worker
+    from gramcoord.launch import warm_fork
+    from gramcoord.launch.rank_process import status_of, worker
+    from gramcoord.rank_worker.grammars import native_exit
 
+    warm_fork.after_start()
     worker()  # torch's exit of this process leaves with os._exit (rank_process)
-    return record(run_entry)(entry, job)
+    # The status torch's wrapper exits with, told first: a forked worker runs
+    # its exit hooks before that wrapper's sys.exit is read (warm_fork).
+    try:
+        value = record(run_entry)(entry, job)
+    except SystemExit as exc:
+        native_exit.exiting(status_of(exc.code))
+        raise
+    except BaseException:
+        native_exit.exiting(1)
+        raise
+    native_exit.exiting(0)
+    return value
 
 
 class _QuietFileHandler(logging.FileHandler):
@@ -279,7 +294,8 @@ def launch_torchrun(
 
     The agent runs in a helper thread (so it installs no signal handlers)
     while this thread waits for it until the deadline. On the deadline or
-    ``KeyboardInterrupt`` the workers (spawned children of this process) are
+    ``KeyboardInterrupt`` the workers (children of this process, forked warm
+    where that is safe: ``warm_fork``) are
     killed (SIGTERM, then SIGKILL after ``STOP_S``), which ends the agent. A
     failed rank ends the agent too: it stops the other ranks itself (SIGTERM,
     then SIGKILL after ``SHUTDOWN_S``), and only that rank's failure comes
@@ -302,6 +318,9 @@ def launch_torchrun(
         rdzv_configs["rank"] = node_rank
     elif nnodes > 1:
         rdzv_configs["is_host"] = node_rank == 0
+    start_method = warm_fork.start_method()
+    if start_method == "fork":
+        resolve(entry)  # imported once here, so the forked workers start warm
     run_dir = log_dir or tempfile.mkdtemp(prefix="gramcoord-torchrun-")
     os.makedirs(run_dir, exist_ok=True)
     config = LaunchConfig(
@@ -314,7 +333,7 @@ def launch_torchrun(
         rdzv_configs=rdzv_configs,
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=run_dir, redirects=Std.ALL if log_dir else Std.NONE),
         local_addr=master_addr if nnodes == 1 else None,
         shutdown_timeout=SHUTDOWN_S,
@@ -326,7 +345,8 @@ def launch_torchrun(
 
     def agent() -> None:
         try:
-            box["values"] = elastic_launch(config, _torchrun_rank)(entry, job)
+            with warm_fork.forking():
+                box["values"] = elastic_launch(config, _torchrun_rank)(entry, job)
         except BaseException as exc:
             box["error"] = exc
         finally:

@@ -36,8 +36,8 @@ from gramcoord.rank_worker.grammars import native_exit
 INTERRUPTED = 130
 
 
-def _status_of(code: object) -> int:
-    # As CPython maps a SystemExit code.
+def status_of(code: object) -> int:
+    """The exit status of a ``SystemExit`` code, as CPython maps it."""
     if code is None:
         return 0
     return int(code) if isinstance(code, int) else 1
@@ -53,7 +53,7 @@ def outcome(main: Callable[[], int]) -> tuple[int, str]:
     except SystemExit as exc:
         if isinstance(exc.code, str):
             return 1, f"gramcoord: rank {rank}: {exc.code}"
-        return _status_of(exc.code), ""
+        return status_of(exc.code), ""
     except BaseException as exc:
         first = (str(exc).splitlines() or [""])[0]
         return 1, f"gramcoord: rank {rank} failed: {type(exc).__name__}: {first}"
