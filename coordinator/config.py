@@ -38,7 +38,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Backend of the data plane. Control groups are always gloo on CPU.
     backend: Literal["gloo", "nccl"] = "gloo"
-    # Rendezvous deadline at start-up, in seconds.
+    # Rendezvous deadline at start-up, in seconds: also how long the ranks
+    # wait for each other before creating the control groups, and the
+    # start-up exchanges.
     init_timeout_s: PositiveFloat = 60.0
     # Deadline of every steady-state collective or point-to-point call.
     step_timeout_s: PositiveFloat = 30.0

@@ -1,7 +1,8 @@
 """Run progress from the ranks to the launcher's console.
 
-The channel is a private directory the launcher process makes
-(``tempfile.mkdtemp``: no fixed name, no port) and passes to every rank in
+The channel is a private directory the launcher process makes inside the
+run's output directory (``tempfile.mkdtemp``, ``.progress-*``: no fixed name,
+no port) and passes to every rank in
 ``RankJob.progress_dir``. Each scheduler rank (the stage-0 leader of a DP
 replica: the ranks that see requests finish) rewrites one small file there,
 ``progress-R.msgpack``, holding its ``ProgressCount``: written to a temporary
@@ -10,7 +11,9 @@ writes when its count changes, at most every ``MIN_INTERVAL_S``, and always
 the last count. The launcher sums the files it finds and draws one rich bar
 on stderr, only when stderr is a terminal: elsewhere (a pipe, a CI log) it
 draws nothing, and the table at the end is the only output. The directory is
-removed when the launch ends, whatever way it ends.
+removed when the launch ends; a launcher killed outright (SIGKILL) leaves
+it in the run's directory, never in /tmp, and the next launch into that
+directory removes it.
 
 Every launcher gets the same bar: torchrun (the agent's workers redirect
 their consoles to the run's logs), ray and inline. A rank on another host
@@ -48,6 +51,8 @@ __all__ = [
 MIN_INTERVAL_S = 0.1
 # Seconds between two reads of the launcher's bar.
 REFRESH_S = 0.2
+# The channel directory's name: .progress-XXXXXXXX in the run's output directory.
+CHANNEL_PREFIX = ".progress-"
 _PREFIX = "progress-"
 _SUFFIX = ".msgpack"
 
@@ -113,10 +118,19 @@ class ProgressWriter:
 
 
 class ProgressChannel:
-    """The launcher's side: a private directory, and the sum of the counts in it."""
+    """The launcher's side: a private directory, and the sum of the counts in it.
 
-    def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="gramcoord-progress-")
+    Made inside ``parent`` (the run's output directory) when given, after
+    removing the channels a killed launcher left there; else in the system's
+    temporary directory.
+    """
+
+    def __init__(self, parent: Path | None = None) -> None:
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+            for stale in parent.glob(f"{CHANNEL_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.directory = tempfile.mkdtemp(prefix=CHANNEL_PREFIX, dir=parent)
 
     def read(self) -> tuple[int, int | None]:
         """(finished, total) over the ranks that reported; total None before any did."""
@@ -196,9 +210,12 @@ class ProgressDisplay:
 
 
 @contextmanager
-def watch_progress(console: Console | None = None) -> Iterator[str]:
-    """A channel shown on ``console`` (stderr by default) for the block; yields its directory."""
-    channel = ProgressChannel()
+def watch_progress(console: Console | None = None, *, parent: Path | None = None) -> Iterator[str]:
+    """A channel in ``parent`` shown on ``console`` (stderr by default) for the block.
+
+    Yields the channel's directory.
+    """
+    channel = ProgressChannel(parent)
     try:
         with ProgressDisplay(channel, console or Console(stderr=True)):
             yield channel.directory

@@ -92,7 +92,7 @@ def launch(
     # Every rank process inherits it, so leftovers can be found (resources.py).
     with (
         patched_environ({RUN_ID_ENV: job.run_id}),
-        watch_progress() if progress else contextlib.nullcontext("") as progress_dir,
+        watch_progress(parent=out_dir) if progress else contextlib.nullcontext("") as progress_dir,
     ):
         outcomes = _start(config, msgspec.structs.replace(job, progress_dir=progress_dir))
     result = _result(outcomes, out_dir)

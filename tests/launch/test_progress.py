@@ -126,6 +126,18 @@ def test_watch_progress_removes_its_directory_on_an_exception():
     assert not Path(d).exists()
 
 
+def test_a_channel_lives_in_the_run_directory_and_the_next_removes_a_killed_ones(tmp_path):
+    out = tmp_path / "out"  # made by the channel if missing
+    left = ProgressChannel(out)  # as a SIGKILLed launcher leaves it: never closed
+    ProgressWriter(left.directory, 0)(1, 2)
+    assert Path(left.directory).parent == out and Path(left.directory).is_dir()
+    (out / "summary.json").write_text("{}")  # the run's own files stay
+    with watch_progress(Console(file=io.StringIO()), parent=out) as d:
+        assert not Path(left.directory).exists()
+        assert Path(d).parent == out and Path(d).name.startswith(".progress-")
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+
 # -- real launches ------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -61,7 +62,9 @@ def host(grammar_backend: str = "gramcoord", tp_size: int = 1) -> Host:
     from gramcoord.integrations.hf.tokenizer import qwen25_hf_tokenizer
 
     tokenizer = qwen25_hf_tokenizer()
-    path = tempfile.mkdtemp(prefix="gramcoord-sglang-tok-")
+    # Inside the session's folder (conftest.py) where there is one: a spawned
+    # rank leaves with os._exit, and its atexit hooks never run.
+    path = tempfile.mkdtemp(prefix="tok-", dir=os.environ.get("GRAMCOORD_SGLANG_TMP"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     tokenizer.save_pretrained(path)
     args = publish(grammar_backend, path, tp_size)
