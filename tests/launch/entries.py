@@ -117,3 +117,25 @@ def wait_for_no_descendants(before: set[int], timeout: float = 10.0) -> set[int]
         if not left or time.monotonic() > end:
             return left
         time.sleep(0.1)
+
+
+# Set by the launching test in its own process: a forked worker sees the
+# value, a spawned one (which imports this module afresh) sees None.
+PARENT_MARK: str | None = None
+
+
+def inherited(raw: bytes) -> bytes:
+    """What a warm-forked worker kept from, or was given back instead of, its launcher."""
+    import atexit
+    import signal
+    import sys
+
+    del raw
+    return msgspec.json.encode(
+        {
+            "mark": PARENT_MARK,
+            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "stdout_fd": sys.stdout.fileno(),
+            "atexit_hooks": atexit._ncallbacks(),
+        }
+    )
