@@ -32,7 +32,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_REQS := integrations/sglang/requirements-sglang.txt
 
-.PHONY: run test test-vllm test-sglang lint venv venv-vllm venv-sglang clean
+.PHONY: run test test-main test-vllm test-sglang lint venv venv-vllm venv-sglang clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -77,9 +77,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # The engine tests fail, not skip, where vLLM is missing.
-VLLM_TEST := GRAMCOORD_REQUIRE_VLLM=1 OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest tests/integrations/vllm
+VLLM_TEST := GRAMCOORD_REQUIRE_VLLM=1 OMP_NUM_THREADS=1 $(VLLM_BIN)/python -m pytest -p no:cacheprovider tests/integrations/vllm
 
-SGLANG_TEST := GRAMCOORD_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 $(SGLANG_BIN)/python -m pytest tests/integrations/sglang
+SGLANG_TEST := GRAMCOORD_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 $(SGLANG_BIN)/python -m pytest -p no:cacheprovider tests/integrations/sglang
 
 # The project's bytecode is compiled once before the suites: the tests start
 # some 260 rank processes, and with PYTHONDONTWRITEBYTECODE set (as on this
@@ -87,6 +87,12 @@ SGLANG_TEST := GRAMCOORD_REQUIRE_SGLANG=1 OMP_NUM_THREADS=1 $(SGLANG_BIN)/python
 # CPU each).
 PY_SOURCES := coordinator engine integrations launch rank_worker sync benchmarks tests
 
+# The three suites run at once (make -j3; each one's report is printed whole
+# when it ends, and make fails if any failed). The engine suites alone leave
+# a core idle about a third of their time (engine starts in one process,
+# servers started and waited for), so beside the main suite they cost CPU
+# that was idle, not wall time.
+#
 # The main suite: two pytest workers, a test module each at a time (module
 # fixtures run once); most multi-rank tests wait on timeouts and peers as much
 # as they compute. The engine suite runs on one: pytest-xdist 3.8's
@@ -95,9 +101,10 @@ PY_SOURCES := coordinator engine integrations launch rank_worker sync benchmarks
 # share one in-process engine would start it again and again.
 test: lint $(VLLM_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m compileall -q $(PY_SOURCES) > /dev/null
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-main test-vllm test-sglang
+
+test-main: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadscope
-	$(VLLM_TEST)
-	$(SGLANG_TEST)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_TEST)
