@@ -64,12 +64,19 @@ def test_make_test_runs_every_suite(tmp_path: Path) -> None:
     got = _make("-n", "test", venv=venv, sglang_venv=sglang)
     assert got.returncode == 0, got.stderr
     lines = [ln.strip() for ln in got.stdout.splitlines()]
+    # The three suites at once, each one's report whole.
+    at_once = [ln for ln in lines if "-j3 --output-sync=target" in ln]
+    assert at_once and at_once[0].endswith(" test-main test-vllm test-sglang"), lines
     # The main suite: every test, on two xdist workers.
     assert "OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist loadscope" in lines
-    engine = [ln for ln in lines if ln.endswith("-m pytest tests/integrations/vllm")]
+    engine = [
+        ln for ln in lines if ln.endswith("-m pytest -p no:cacheprovider tests/integrations/vllm")
+    ]
     assert engine and engine[0].startswith("GRAMCOORD_REQUIRE_VLLM=1 "), lines
     assert f"{venv}/bin/python" in engine[0]
-    host = [ln for ln in lines if ln.endswith("-m pytest tests/integrations/sglang")]
+    host = [
+        ln for ln in lines if ln.endswith("-m pytest -p no:cacheprovider tests/integrations/sglang")
+    ]
     assert host and host[0].startswith("GRAMCOORD_REQUIRE_SGLANG=1 "), lines
     assert f"{sglang}/bin/python" in host[0]
     pip = [ln for ln in lines if f"{sglang}/bin/python -m pip install" in ln]
