@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 
 from tests.dev_data import schema
-from tests.integrations.vllm.tiny_model import CPU_ENV, ENGINE_KW, build_tiny_model
+from tests.integrations.vllm.tiny_model import (
+    COMPILE_NEVER_S,
+    CPU_ENV,
+    ENGINE_KW,
+    build_tiny_model,
+)
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("GRAMCOORD_REQUIRE_VLLM") == "1":
@@ -39,14 +44,14 @@ else:
     }.items():
         os.environ.setdefault(_k, _v)
 
-# A loaded 2-core machine compiles the slow schema for tens of seconds.
+# A loaded 2-core machine compiles for minutes (tiny_model.COMPILE_NEVER_S).
 # Specs containing FAULT_BREAK fail to compile, and those containing
 # FAULT_HANG hang in their compile (test_failures.py); no other spec does.
 FAULT_BREAK = "gramcoord-fault-break"
 FAULT_HANG = "gramcoord-fault-hang"
 GRAMCOORD_CONFIG = {
     "gramcoord": {
-        "grammar": {"compile_timeout_s": 300},
+        "grammar": {"compile_timeout_s": COMPILE_NEVER_S},
         "faults": {
             "compile_error": {"pattern": FAULT_BREAK, "rank": 0},
             "compile_delay": {"pattern": FAULT_HANG, "rank": 0, "seconds": 900, "times": 0},

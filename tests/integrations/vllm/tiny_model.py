@@ -17,6 +17,7 @@ from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model as build_tin
 from gramcoord.launch.ports import free_port
 
 __all__ = [
+    "COMPILE_NEVER_S",
     "CPU_ENV",
     "ENGINE_KW",
     "EOS_ID",
@@ -35,6 +36,13 @@ CPU_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "OMP_NUM_THREADS": "1",
 }
+# The compile deadline of the engines whose tests expect their schemas to
+# compile: one no schema known to compile can reach. gramcoord's compile
+# thread runs at nice +10 so that it yields to decoding; on a 2-core machine
+# with some 30 runnable nice-0 tasks it gets well under a hundredth of a core,
+# and a one-second compile then takes minutes (a loaded run failed three
+# token-identity tests on grammar_timeout with 300 s).
+COMPILE_NEVER_S = 3600.0
 ENGINE_KW: dict[str, object] = {
     "dtype": "float32",
     "max_model_len": 1024,
