@@ -39,25 +39,33 @@ DUMP_WAIT_S = 2.0
 
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 _OURS = ("/gramcoord/", "/coordinator/", "/rank_worker/", "/sync/", "/launch/", "/tests/")
-_keep: list[IO[str]] = []
+_keep: list[tuple[IO[str], Path]] = []
 
 
 def arm(path: str | os.PathLike[str]) -> None:
-    """Write all thread stacks to ``path`` on ``SIGUSR1`` (until :func:`disarm`)."""
-    handle = open(path, "w")  # noqa: SIM115 - open until disarm or exit
-    _keep.append(handle)
+    """Write all thread stacks to ``path`` on ``SIGUSR1`` (until :func:`disarm`).
+
+    ``path`` appears only once the handler is in place (the file is opened
+    under another name and renamed): :func:`dump` signals only armed
+    processes, since ``SIGUSR1`` kills one that is still starting.
+    """
+    path = Path(path)
+    arming = path.with_name(f"{path.name}.arming")
+    handle = open(arming, "w")  # noqa: SIM115 - open until disarm or exit
+    _keep.append((handle, path))
     faulthandler.register(DUMP_SIGNAL, file=handle, all_threads=True, chain=False)
+    os.replace(arming, path)
 
 
 def disarm() -> None:
-    """Undo :func:`arm`: the handler goes, the file is closed (removed if empty)."""
-    faulthandler.unregister(DUMP_SIGNAL)
-    while _keep:
-        handle = _keep.pop()
-        handle.close()
-        path = Path(handle.name)
+    """Undo :func:`arm`: the file is removed if empty (first, so that no one
+    signals a process without the handler), the handler goes, the file closes."""
+    for _, path in _keep:
         if path.is_file() and path.stat().st_size == 0:
             path.unlink()
+    faulthandler.unregister(DUMP_SIGNAL)
+    while _keep:
+        _keep.pop()[0].close()
 
 
 def collect(paths: Iterable[Path], wait_s: float = DUMP_WAIT_S) -> dict[Path, str]:
@@ -79,6 +87,8 @@ def dump(pids: dict[int, int], paths: dict[int, Path]) -> dict[int, str]:
     """
     asked = []
     for rank, pid in pids.items():
+        if not paths[rank].exists():  # not armed yet: SIGUSR1 would kill it
+            continue
         try:
             os.kill(pid, DUMP_SIGNAL)
             asked.append(rank)

@@ -38,6 +38,36 @@ def test_dump_names_the_blocking_call_and_our_frame(tmp_path):
     assert line.startswith("waiting in _blocked_in_select (tests/launch/test_stack_dump.py:")
 
 
+def _not_armed_yet(ready, go):
+    ready.set()  # still "starting": no handler, so SIGUSR1 would kill it
+    go.wait(120)
+
+
+def test_dump_leaves_a_process_that_has_not_armed_alone(tmp_path):
+    # Under load a deadline can pass while a child is still starting, before
+    # it armed: signalling it then killed it (exit -SIGUSR1, a loaded run).
+    path = tmp_path / "rank0.txt"
+    with ProcGroup() as group:
+        ready, go = group.event(), group.event()
+        proc = group.start(_not_armed_yet, ready, go)
+        assert ready.wait(120)
+        assert stack_dump.dump({0: proc.pid}, {0: path}) == {0: ""}
+        assert proc.is_alive()
+        go.set()
+        proc.join(120)
+    assert proc.exitcode == 0
+
+
+def test_arm_makes_the_file_once_the_handler_is_in_place_and_disarm_removes_it(tmp_path):
+    path = tmp_path / "rank0.txt"
+    stack_dump.arm(path)
+    try:
+        assert path.is_file() and not (tmp_path / "rank0.txt.arming").exists()
+    finally:
+        stack_dump.disarm()
+    assert not path.exists()
+
+
 def test_waiting_in_reads_the_current_thread_of_a_faulthandler_dump():
     text = (
         "Thread 0x00007f0000000001 (most recent call first):\n"
