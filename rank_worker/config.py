@@ -57,8 +57,13 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # fast with grammar_pool_saturated. Each stuck compile is replaced by a
     # spare worker, so capacity survives. 0 means 2 x the pool size.
     num_stuck_compiles: NonNegInt = 0
-    # Wall-clock deadline of one compile, in seconds.
+    # Deadline of one compile, in seconds of its own time: the wall clock
+    # less the time its thread waited for a CPU (Linux), so a busy machine
+    # makes compiles slower, not timed out. The wall clock elsewhere.
     compile_timeout_s: PositiveFloat = 30.0
+    # Wall-clock bound of one compile, waiting for a CPU included; unset
+    # means 10 x compile_timeout_s. At least compile_timeout_s.
+    compile_wall_timeout_s: PositiveFloat | None = None
     # Linux nice increment of the compile pool's threads (xgrammar's own
     # compile threads inherit it): > 0 lets the step loop preempt compiles on
     # a busy CPU. 0 keeps the process's priority. Ignored in sync mode (the
@@ -103,6 +108,21 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     jump_forward_mode: Literal["exact", "greedy"] = "exact"
     reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
     triggers: TriggerConfig = msgspec.field(default_factory=TriggerConfig)
+
+    def __post_init__(self) -> None:
+        wall = self.compile_wall_timeout_s
+        if wall is not None and wall < self.compile_timeout_s:
+            raise ValueError(
+                f"grammar.compile_wall_timeout_s ({wall:g}) is below "
+                f"grammar.compile_timeout_s ({self.compile_timeout_s:g})"
+            )
+
+    @property
+    def wall_timeout_s(self) -> float:
+        """The wall-clock bound of one compile (``compile_wall_timeout_s``)."""
+        if self.compile_wall_timeout_s is None:
+            return 10 * self.compile_timeout_s
+        return self.compile_wall_timeout_s
 
     @property
     def pool_size(self) -> int:

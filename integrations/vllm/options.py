@@ -42,6 +42,7 @@ __all__ = [
 ENGINE_OPTIONS = frozenset(
     {
         "compile_timeout_s",
+        "compile_wall_timeout_s",
         "compile_nice",
         "num_compile_workers",
         "num_stuck_compiles",

@@ -4,7 +4,10 @@ The service owns *jobs*, not caches: a job is one compile of one key, shared
 by every request that joined it. Results are handed to the manager, which
 decides (at agreed points) what enters the compile and poison caches.
 
-Deadlines are wall-clock from the moment a worker starts the compile. A
+A deadline runs from the moment a worker starts the compile and counts the
+compile's own time: the wall clock less the time its thread waited for a
+CPU (``cpu_wait``: a loaded machine makes a compile slower, not timed out),
+with ``grammar.compile_wall_timeout_s`` bounding the wall time. A
 thread cannot be killed, so a compile that overruns keeps its thread: it is
 counted as *stuck*, and a spare worker takes its place so the pool keeps
 its capacity (the stuck thread exits when its compile returns). If the
@@ -47,6 +50,7 @@ import xgrammar as xgr
 from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
+from gramcoord.rank_worker.grammars.cpu_wait import CpuWait, no_wait, run_queue_wait_s
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.native_exit import native_call
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
@@ -139,6 +143,9 @@ class CompileJob:
     def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
         self.started_at: float | None = None
+        # The worker thread's native id and its CPU wait at the start.
+        self.tid = 0
+        self.waited_at_start = 0.0
         self.result: Any = None
         # (ErrorCode, message) once the job failed.
         self.error: tuple[ErrorCode, str] | None = None
@@ -186,6 +193,9 @@ class CompileService:
         Tests inject slow or failing functions here.
     clock:
         Monotonic seconds; injected by tests.
+    cpu_wait:
+        A thread's time spent waiting for a CPU (``cpu_wait``), not charged
+        to its compile's deadline; none under an injected clock by default.
     """
 
     def __init__(
@@ -194,9 +204,14 @@ class CompileService:
         compile_fn: CompileFn,
         *,
         clock: Callable[[], float] = time.monotonic,
+        cpu_wait: CpuWait | None = None,
     ) -> None:
         self.sync = config.compile_mode == "sync"
         self.timeout_s = config.compile_timeout_s
+        self.wall_timeout_s = config.wall_timeout_s
+        if cpu_wait is None:
+            cpu_wait = run_queue_wait_s if clock is time.monotonic else no_wait
+        self._cpu_wait = cpu_wait
         self.pool_size = config.pool_size
         self.stuck_limit = config.stuck_limit
         self.nice = config.compile_nice
@@ -271,6 +286,8 @@ class CompileService:
         with self._lock:
             if job.done.is_set():  # failed or released while queued
                 return
+            job.tid = threading.get_native_id()
+            job.waited_at_start = self._cpu_wait(job.tid)
             job.started_at = self._clock()
             self._running.add(job)
         t0 = time.perf_counter()
@@ -296,12 +313,32 @@ class CompileService:
 
     # -- deadlines --------------------------------------------------------
 
+    def _overrun(self, job: CompileJob, now: float) -> str | None:
+        """Why ``job`` is past its deadline, or None if it is not.
+
+        Its time is the wall clock since it started less what its thread
+        waited for a CPU meanwhile; the wait is read only once the wall
+        clock alone has passed the deadline (the common case costs nothing).
+        """
+        wall = now - (job.started_at if job.started_at is not None else now)
+        if wall <= self.timeout_s:
+            return None
+        if wall > self.wall_timeout_s:
+            return (
+                f"compile ran past grammar.compile_wall_timeout_s={self.wall_timeout_s:g}s "
+                "(most of it waiting for a CPU)"
+            )
+        own = wall - (self._cpu_wait(job.tid) - job.waited_at_start)
+        if own > self.timeout_s:
+            return f"compile ran past grammar.compile_timeout_s={self.timeout_s:g}s"
+        return None
+
     def num_stuck(self) -> int:
         """Compiles still running past their deadline (each holds a worker)."""
         now = self._clock()
         with self._lock:
             running = list(self._running)
-        return sum(1 for j in running if now - (j.started_at or now) > self.timeout_s)
+        return sum(1 for j in running if self._overrun(j, now) is not None)
 
     def poll(self) -> None:
         """Fail jobs past their deadline, replace their workers, and fail
@@ -310,12 +347,13 @@ class CompileService:
             return
         now = self._clock()
         with self._lock:
-            overdue = [j for j in self._running if now - (j.started_at or now) > self.timeout_s]
-            for job in overdue:
-                job.fail(
-                    ErrorCode.grammar_timeout,
-                    f"compile ran past grammar.compile_timeout_s={self.timeout_s:g}s",
-                )
+            overdue = []
+            for job in self._running:
+                why = self._overrun(job, now)
+                if why is not None:
+                    overdue.append((job, why))
+            for job, why in overdue:
+                job.fail(ErrorCode.grammar_timeout, why)
                 # Replace the worker unless the stuck budget is spent (then
                 # the pool is saturated and nothing more should start).
                 if not job.replaced and len(overdue) < self.stuck_limit:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.dev_data import schema
 from tests.integrations.vllm.tiny_model import (
-    COMPILE_NEVER_S,
+    COMPILE_DEADLINE,
     CPU_ENV,
     ENGINE_KW,
     build_tiny_model,
@@ -44,14 +44,14 @@ else:
     }.items():
         os.environ.setdefault(_k, _v)
 
-# A loaded 2-core machine compiles for minutes (tiny_model.COMPILE_NEVER_S).
+# A loaded 2-core machine compiles for minutes (tiny_model.COMPILE_DEADLINE).
 # Specs containing FAULT_BREAK fail to compile, and those containing
 # FAULT_HANG hang in their compile (test_failures.py); no other spec does.
 FAULT_BREAK = "gramcoord-fault-break"
 FAULT_HANG = "gramcoord-fault-hang"
 GRAMCOORD_CONFIG = {
     "gramcoord": {
-        "grammar": {"compile_timeout_s": COMPILE_NEVER_S},
+        "grammar": dict(COMPILE_DEADLINE),
         "faults": {
             "compile_error": {"pattern": FAULT_BREAK, "rank": 0},
             "compile_delay": {"pattern": FAULT_HANG, "rank": 0, "seconds": 900, "times": 0},

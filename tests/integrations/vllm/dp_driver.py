@@ -70,7 +70,7 @@ def main() -> None:
     from tests.integrations.vllm.tiny_model import ENGINE_KW
 
     gramcoord = {
-        "grammar": {"compile_timeout_s": 3.0},
+        "grammar": {"compile_timeout_s": 3.0, "compile_wall_timeout_s": 3600.0},
         "faults": {
             "compile_delay": {"pattern": POISON_MARK, "rank": 0, "seconds": 30.0, "times": 0}
         },

@@ -86,14 +86,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from tests.integrations.vllm.tiny_model import COMPILE_NEVER_S, ENGINE_KW
+    from tests.integrations.vllm.tiny_model import COMPILE_DEADLINE, ENGINE_KW
 
     llm = LLM(
         model,
         structured_outputs_config={"backend": "gramcoord"},
         distributed_executor_backend="external_launcher",
         tensor_parallel_size=2,
-        additional_config={"gramcoord": {"grammar": {"compile_timeout_s": COMPILE_NEVER_S}}},
+        additional_config={"gramcoord": {"grammar": dict(COMPILE_DEADLINE)}},
         **ENGINE_KW,
     )
     engine = llm.llm_engine

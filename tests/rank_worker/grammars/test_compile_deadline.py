@@ -1,0 +1,157 @@
+"""A compile's deadline counts its own time, not the time a busy machine kept it
+waiting for a CPU (``cpu_wait``); ``compile_wall_timeout_s`` bounds the wall time."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+
+from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammars.compile_service import CompileService
+from gramcoord.rank_worker.grammars.cpu_wait import run_queue_wait_s
+from gramcoord.rank_worker.grammars.spec import validate_spec
+
+SPEC = validate_spec({"regex": "ab+"}, GrammarConfig())
+
+
+class Clocks:
+    """A test-driven wall clock and CPU wait (per thread: one compile here)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.waited = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def cpu_wait(self, tid: int) -> float:
+        return self.waited
+
+
+def _running_job(config: GrammarConfig, clocks: Clocks):
+    """A service whose one job is running (its compile blocks until released)."""
+    started, release = threading.Event(), threading.Event()
+
+    def compile_fn(spec):
+        started.set()
+        release.wait(60)
+        return object()
+
+    service = CompileService(config, compile_fn, clock=clocks.clock, cpu_wait=clocks.cpu_wait)
+    job, _ = service.submit(SPEC)
+    assert started.wait(60)
+    return service, job, release
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "waited", "error"),
+    [
+        # 5 s on the wall clock, 4.5 of them waiting for a CPU: 0.5 s its own.
+        (5.0, 4.5, None),
+        # 5 s, 3 of them waiting: 2 s its own, past the 1 s deadline.
+        (5.0, 3.0, "compile ran past grammar.compile_timeout_s=1s"),
+        # A compile that never waited (computing, or blocked): the wall clock.
+        (1.5, 0.0, "compile ran past grammar.compile_timeout_s=1s"),
+        # Past the wall-clock bound, however long it waited.
+        (20.5, 20.0, "compile ran past grammar.compile_wall_timeout_s=20s"),
+    ],
+)
+def test_the_deadline_is_the_compiles_own_time(elapsed, waited, error):
+    clocks = Clocks()
+    config = GrammarConfig(num_compile_workers=1, compile_timeout_s=1.0, compile_wall_timeout_s=20)
+    service, job, release = _running_job(config, clocks)
+    try:
+        clocks.now += elapsed
+        clocks.waited += waited
+        service.poll()
+        if error is None:
+            assert not job.done.is_set() and service.num_stuck() == 0
+        else:
+            assert job.error is not None
+            assert (job.error[0], job.error[1].split(" (")[0]) == (ErrorCode.grammar_timeout, error)
+            assert service.num_stuck() == 1
+    finally:
+        release.set()
+        service.close()
+
+
+def test_the_wall_clock_bound_defaults_to_ten_deadlines_and_is_checked():
+    assert GrammarConfig(compile_timeout_s=3).wall_timeout_s == 30
+    assert GrammarConfig(compile_timeout_s=3, compile_wall_timeout_s=4).wall_timeout_s == 4
+    with pytest.raises(msgspec.ValidationError, match=r"compile_wall_timeout_s \(2\) is below"):
+        msgspec.convert({"compile_timeout_s": 3, "compile_wall_timeout_s": 2}, GrammarConfig)
+
+
+def test_a_thread_that_does_not_exist_has_waited_nothing():
+    assert run_queue_wait_s(2**31 - 1) == 0.0
+
+
+def _spin_cpu_s(seconds: float) -> None:
+    """Burn ``seconds`` of this thread's CPU, mostly without the GIL (as
+    xgrammar's compile does)."""
+    block = bytes(1 << 20)
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        hashlib.sha256(block).digest()
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat"),
+    reason="the kernel does not report run-queue waits",
+)
+def test_a_starved_compile_finishes_instead_of_timing_out():
+    """A real starved compile: 0.3 s of CPU at nice +10, pinned to one CPU
+    beside a nice-0 process that never stops computing, gets at most a tenth
+    of that CPU (CFS weights 110 against 1024), so it takes at least 3 s on
+    the wall clock, past its 1 s deadline. It compiles, and its thread's
+    wait, which the deadline did not count, is most of its time."""
+    cpu = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.stdout.write('go\\n'); sys.stdout.flush()\nwhile True: pass",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        assert hog.stdout.readline() == b"go\n"
+        seen: dict[str, float] = {}
+
+        def compile_fn(spec):
+            os.sched_setaffinity(0, {cpu})  # this thread only
+            tid = threading.get_native_id()
+            seen["waited"], start = run_queue_wait_s(tid), time.monotonic()
+            _spin_cpu_s(0.3)
+            seen["wall"] = time.monotonic() - start
+            seen["waited"] = run_queue_wait_s(tid) - seen["waited"]
+            return object()
+
+        config = GrammarConfig(
+            num_compile_workers=1,
+            compile_timeout_s=1.0,
+            compile_wall_timeout_s=3600,
+            compile_nice=10,
+        )
+        service = CompileService(config, compile_fn)
+        try:
+            job, _ = service.submit(SPEC)
+            while not job.done.wait(0.05):
+                service.poll()
+        finally:
+            service.close()
+        assert job.error is None, job.error
+        assert seen["wall"] > 1.0  # the wall clock alone would have timed it out
+        assert seen["waited"] > seen["wall"] / 2
+    finally:
+        hog.kill()
+        hog.wait()
