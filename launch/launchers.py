@@ -184,7 +184,6 @@ def _torchrun_rank(entry: str, job: bytes) -> bytes:
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from gramcoord.launch import warm_fork
     from gramcoord.launch.rank_process import status_of, worker
     from gramcoord.rank_worker.grammars import native_exit
 

@@ -323,14 +323,14 @@ class CompileService:
         wall = now - (job.started_at if job.started_at is not None else now)
         if wall <= self.timeout_s:
             return None
-        if wall > self.wall_timeout_s:
-            return (
-                f"compile ran past grammar.compile_wall_timeout_s={self.wall_timeout_s:g}s "
-                "(most of it waiting for a CPU)"
-            )
         own = wall - (self._cpu_wait(job.tid) - job.waited_at_start)
         if own > self.timeout_s:
             return f"compile ran past grammar.compile_timeout_s={self.timeout_s:g}s"
+        if wall > self.wall_timeout_s:
+            return (
+                f"compile ran past grammar.compile_wall_timeout_s={self.wall_timeout_s:g}s "
+                f"({wall - own:.0f}s of it waiting for a CPU)"
+            )
         return None
 
     def num_stuck(self) -> int:
