@@ -11,9 +11,9 @@ The factor is the larger of two measurements, each at least 1:
 
 - the **run queue per core**: the 1-minute load average over the cores
   this process may run on (it lags, but it sees the other work);
-- the **share of a core this process gets now**: a busy loop of
-  ``SPIN_S`` of wall time, whose own CPU time says what fraction of a core
-  it got (a tenth of a core: factor 10).
+- the **share of a core this process gets now**: busy loops of ``SPIN_S``
+  of wall time, whose own CPU time says what fraction of a core they got
+  (a tenth of a core: factor 10); the median of ``SAMPLES`` loops.
 
 It is measured at most every ``REMEASURE_S`` seconds and capped at
 ``MAX_FACTOR``. ``GRAMCOORD_LOAD_FACTOR`` overrides it (a number >= 1): to
@@ -30,6 +30,7 @@ import time
 
 ENV = "GRAMCOORD_LOAD_FACTOR"
 SPIN_S = 0.05
+SAMPLES = 3
 REMEASURE_S = 10.0
 MAX_FACTOR = 40.0
 
@@ -55,14 +56,25 @@ def queue_factor(load1: float | None = None, ncores: int | None = None) -> float
     return max(1.0, load1 / (ncores or cores()))
 
 
-def share_factor(spin_s: float = SPIN_S) -> float:
-    """Wall time over CPU time of a busy loop of ``spin_s``: 1 / the share of a core got."""
-    wall0, cpu0 = time.perf_counter(), time.thread_time()
-    end = wall0 + spin_s
-    while time.perf_counter() < end:
-        pass
-    wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
-    return max(1.0, wall / max(cpu, 1e-6))
+def share_factor(spin_s: float = SPIN_S, samples: int = SAMPLES) -> float:
+    """1 / the share of a core a busy loop gets: the median over ``samples``
+    loops of ``spin_s`` (wall time over CPU time), a little apart.
+
+    One 50 ms loop is a small sample. In a quiet ``make test`` (load
+    average 2-10 on 2 cores) the cross-host stall test took 430 s, where its
+    waits come to about 10 x the factor + 11 s (81 s at a fixed factor 7):
+    a factor at the cap, 40, from one loop that was kept off the CPU."""
+    got = []
+    for i in range(samples):
+        if i:
+            time.sleep(spin_s / 5)
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        end = wall0 + spin_s
+        while time.perf_counter() < end:
+            pass
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        got.append(max(1.0, wall / max(cpu, 1e-6)))
+    return sorted(got)[len(got) // 2]
 
 
 def _override() -> float | None:

@@ -345,8 +345,10 @@ def test_stalled_host_is_lost_and_its_ranks_end_when_resumed(hosts, tmp_path):
         os.kill(pid, signal.SIGSTOP)
     t_fault = time.monotonic()
     a, b = started
-    # Frozen past the step timeout, by half the slack.
-    while time.monotonic() < t_fault + (limits.step_timeout_s + limits.bound_s) / 2:
+    # Frozen until the survivor's rank has ended (it named the host lost: a
+    # step timeout at least), or past the step timeout by half the slack.
+    until = t_fault + (limits.step_timeout_s + limits.bound_s) / 2
+    while time.monotonic() < until and a.rank_exit is None:
         a.poll(time.monotonic())
         time.sleep(0.05)
     for pid in frozen:
