@@ -108,7 +108,11 @@ def _parse(args: list[str]) -> argparse.Namespace:
 
 def _common(opts: argparse.Namespace, model: Path, work: Path) -> list[str]:
     out = ["--model", str(model), "--max-tokens", str(opts.max_tokens)]
-    out += ["--cache-root", str(work / "vllm-cache")]
+    # vLLM's cache: the user's own where VLLM_CACHE_ROOT is set (a child
+    # whose cache lacks the model's entry inspects the model class in a
+    # subprocess that imports vLLM again, about 13 CPU-s), else the workdir's.
+    cache = os.environ.get("VLLM_CACHE_ROOT") or str(work / "vllm-cache")
+    out += ["--cache-root", cache]
     return out + (["--data", opts.data] if opts.data else [])
 
 
