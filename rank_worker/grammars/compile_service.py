@@ -6,7 +6,7 @@ decides (at agreed points) what enters the compile and poison caches.
 
 A deadline runs from the moment a worker starts the compile and counts the
 compile's own time: the wall clock less the time its thread waited for a
-CPU (``cpu_wait``: a loaded machine makes a compile slower, not timed out),
+CPU (``compile_job``: a loaded machine makes a compile slower, not timed out),
 with ``grammar.compile_wall_timeout_s`` bounding the wall time. A
 thread cannot be killed, so a compile that overruns keeps its thread: it is
 counted as *stuck*, and a spare worker takes its place so the pool keeps
@@ -47,10 +47,14 @@ from typing import Any
 
 import xgrammar as xgr
 
-from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
-from gramcoord.rank_worker.grammars.cpu_wait import CpuWait, no_wait, run_queue_wait_s
+from gramcoord.rank_worker.grammars.compile_job import (
+    CompileJob,
+    CpuWait,
+    no_wait,
+    run_queue_wait_s,
+)
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.native_exit import native_call
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
@@ -137,50 +141,6 @@ class XGrammarBackend:
             return self._by_kind[spec.kind](compiler, spec)
 
 
-class CompileJob:
-    """One compile of one key; requests that share the key join it."""
-
-    def __init__(self, spec: GrammarSpec) -> None:
-        self.spec = spec
-        self.started_at: float | None = None
-        # The worker thread's native id and its CPU wait at the start.
-        self.tid = 0
-        self.waited_at_start = 0.0
-        self.result: Any = None
-        # (ErrorCode, message) once the job failed.
-        self.error: tuple[ErrorCode, str] | None = None
-        # Set once a spare worker took this (stuck) job's place: its thread
-        # exits when the compile returns.
-        self.replaced = False
-        # Pending requests using this job; at zero the job is released.
-        self.users = 0
-        # Measured with perf_counter, independent of the (injectable)
-        # deadline clock.
-        self.compile_ms = 0.0
-        self.done = threading.Event()
-
-    @property
-    def key(self) -> bytes:
-        return self.spec.key
-
-    def state(self) -> tuple[PendingState, int]:
-        # ``done`` first: a job that ends is given its error before ``done``
-        # is set, so an error read after ``done`` is final. Read the other
-        # way round, a job failing between the two reads looks READY, and
-        # its request is admitted-then-failed without its key being poisoned.
-        if not self.done.is_set():
-            return PendingState.PENDING, 0
-        error = self.error
-        if error is not None:
-            return PendingState.FAILED, int(error[0])
-        return PendingState.READY, 0
-
-    def fail(self, code: ErrorCode, message: str) -> None:
-        if self.error is None and not self.done.is_set():
-            self.error = (code, message)
-            self.done.set()
-
-
 class CompileService:
     """Compiles grammar specs asynchronously (or inline), with deadlines.
 
@@ -194,7 +154,7 @@ class CompileService:
     clock:
         Monotonic seconds; injected by tests.
     cpu_wait:
-        A thread's time spent waiting for a CPU (``cpu_wait``), not charged
+        A thread's time spent waiting for a CPU (``compile_job``), not charged
         to its compile's deadline; none under an injected clock by default.
     """
 
@@ -314,31 +274,16 @@ class CompileService:
     # -- deadlines --------------------------------------------------------
 
     def _overrun(self, job: CompileJob, now: float) -> str | None:
-        """Why ``job`` is past its deadline, or None if it is not.
-
-        Its time is the wall clock since it started less what its thread
-        waited for a CPU meanwhile; the wait is read only once the wall
-        clock alone has passed the deadline (the common case costs nothing).
-        """
-        wall = now - (job.started_at if job.started_at is not None else now)
-        if wall <= self.timeout_s:
-            return None
-        own = wall - (self._cpu_wait(job.tid) - job.waited_at_start)
-        if own > self.timeout_s:
-            return f"compile ran past grammar.compile_timeout_s={self.timeout_s:g}s"
-        if wall > self.wall_timeout_s:
-            return (
-                f"compile ran past grammar.compile_wall_timeout_s={self.wall_timeout_s:g}s "
-                f"({wall - own:.0f}s of it waiting for a CPU)"
-            )
-        return None
+        return job.overrun(now, self.timeout_s, self.wall_timeout_s, self._cpu_wait)
 
     def num_stuck(self) -> int:
         """Compiles still running past their deadline (each holds a worker)."""
         now = self._clock()
+        # Under the lock: a job in _running has a live thread (its worker
+        # leaves _running under the lock before it may end), whose CPU wait
+        # can still be read.
         with self._lock:
-            running = list(self._running)
-        return sum(1 for j in running if self._overrun(j, now) is not None)
+            return sum(1 for j in self._running if self._overrun(j, now) is not None)
 
     def poll(self) -> None:
         """Fail jobs past their deadline, replace their workers, and fail

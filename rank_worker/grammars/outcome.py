@@ -49,7 +49,7 @@ class Entry:
     spec: GrammarSpec
     cache: CacheStatus
     compiled: Any = None
-    # The compile job (``compile_service.CompileJob``) while one runs.
+    # The compile job (``compile_job.CompileJob``) while one runs.
     job: Any = None
     warnings: tuple[str, ...] = ()
     compile_ms: float = 0.0

@@ -1,5 +1,5 @@
 """A compile's deadline counts its own time, not the time a busy machine kept it
-waiting for a CPU (``cpu_wait``); ``compile_wall_timeout_s`` bounds the wall time."""
+waiting for a CPU (``compile_job``); ``compile_wall_timeout_s`` bounds the wall time."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammars.compile_job import run_queue_wait_s
 from gramcoord.rank_worker.grammars.compile_service import CompileService
-from gramcoord.rank_worker.grammars.cpu_wait import run_queue_wait_s
 from gramcoord.rank_worker.grammars.spec import validate_spec
 
 SPEC = validate_spec({"regex": "ab+"}, GrammarConfig())

@@ -10,7 +10,8 @@ import pytest
 from gramcoord.coordinator.status import Decision, PendingState, PoisonRecord, decide_alone
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.compile_service import CompileJob, XGrammarBackend
+from gramcoord.rank_worker.grammars.compile_job import CompileJob
+from gramcoord.rank_worker.grammars.compile_service import XGrammarBackend
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.spec import validate_spec
 
