@@ -38,28 +38,21 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # (few tests, each a multi-process run) for last, where one worker runs them
 # in a row while the other idles. Handed out first (pytest_configure turns
 # xdist's reordering off), the many short modules fill in at the end.
-SLOW_MODULES = (  # by wall time in a quiet make test (per-test timings of Q12)
-    "tests/launch/test_cross_host_faults.py",
+SLOW_MODULES = (
     "tests/launch/test_resume.py",
+    "tests/launch/test_cross_host_faults.py",
     "tests/launch/test_faults.py",
-    "tests/integrations/test_hf.py",
     "tests/launch/test_e2e.py",
-    "tests/launch/test_cross_host_transport.py",
-    "tests/rank_worker/masks/test_jump_identity.py",
-    "tests/coordinator/test_two_level.py",
-    "tests/coordinator/test_two_level_hosts.py",
-    "tests/launch/test_launchers.py",
-    "tests/coordinator/test_spawn.py",
-    "tests/rank_worker/grammars/test_native_exit.py",
-    "tests/benchmarks/test_all.py",
-    "tests/launch/test_ray_cluster.py",
-    "tests/rank_worker/grammars/test_dev_schemas.py",
-    "tests/launch/test_progress.py",
-    "tests/launch/test_rank_process.py",
     "tests/launch/test_soak.py",
-    "tests/launch/test_two_hosts.py",
-    "tests/launch/test_cli_run.py",
+    "tests/launch/test_cross_host_transport.py",
+    "tests/launch/test_progress.py",
+    "tests/launch/test_launchers.py",
     "tests/launch/test_hostile_run.py",
+    "tests/coordinator/test_spawn.py",
+    "tests/launch/test_ray_cluster.py",
+    "tests/launch/test_two_hosts.py",
+    "tests/coordinator/test_two_level_hosts.py",
+    "tests/rank_worker/grammars/test_dev_schemas.py",
 )
 
 
