@@ -15,7 +15,7 @@ import pytest
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.compile_job import run_queue_wait_s
+from gramcoord.rank_worker.grammars.compile_job import CompileJob, run_queue_wait_s
 from gramcoord.rank_worker.grammars.compile_service import CompileService
 from gramcoord.rank_worker.grammars.spec import validate_spec
 
@@ -95,12 +95,59 @@ def test_a_thread_that_does_not_exist_has_waited_nothing():
 
 
 def _spin_cpu_s(seconds: float) -> None:
-    """Burn ``seconds`` of this thread's CPU, mostly without the GIL (as
-    xgrammar's compile does)."""
-    block = bytes(1 << 20)
+    """Burn about ``seconds`` of this thread's CPU in one native call that
+    releases the GIL throughout, as xgrammar's compile does.
+
+    A Python loop of short calls would take the GIL back between them, and
+    every time the test's polling thread held it (itself kept off a busy
+    CPU) the compile thread would sleep on the GIL: time that is the
+    compile's own, not a wait for a CPU. On a loaded CI machine that sleep
+    alone passed the 1 s deadline.
+    """
+    probe = 20_000
     start = time.thread_time()
-    while time.thread_time() - start < seconds:
-        hashlib.sha256(block).digest()
+    hashlib.pbkdf2_hmac("sha256", b"gramcoord", b"salt", probe)
+    per_iteration = max(time.thread_time() - start, 1e-6) / probe
+    hashlib.pbkdf2_hmac("sha256", b"gramcoord", b"salt", max(int(seconds / per_iteration), 1))
+
+
+@pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat"),
+    reason="the kernel does not report run-queue waits",
+)
+def _starved_compile(cpu: int, deadline_s: float) -> tuple[CompileJob, float, float]:
+    """One compile of ``0.3 * deadline_s`` CPU-seconds at nice +10, pinned to
+    ``cpu`` (where a nice-0 process spins), under ``deadline_s``. Returns the
+    job once its compile function has returned, its wall time and the part
+    of it its thread waited for the CPU, both measured inside the compile."""
+    seen: dict[str, float] = {}
+    returned = threading.Event()
+
+    def compile_fn(spec):
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        tid = threading.get_native_id()
+        waited, start = run_queue_wait_s(tid), time.monotonic()
+        _spin_cpu_s(0.3 * deadline_s)
+        seen["wall"] = time.monotonic() - start
+        seen["waited"] = run_queue_wait_s(tid) - waited
+        returned.set()
+        return object()
+
+    config = GrammarConfig(
+        num_compile_workers=1,
+        compile_timeout_s=deadline_s,
+        compile_wall_timeout_s=3600,
+        compile_nice=10,
+    )
+    service = CompileService(config, compile_fn)
+    try:
+        job, _ = service.submit(SPEC)
+        while not job.done.wait(0.2):
+            service.poll()
+        assert returned.wait(600)
+    finally:
+        service.close()
+    return job, seen["wall"], seen["waited"]
 
 
 @pytest.mark.skipif(
@@ -108,11 +155,17 @@ def _spin_cpu_s(seconds: float) -> None:
     reason="the kernel does not report run-queue waits",
 )
 def test_a_starved_compile_finishes_instead_of_timing_out():
-    """A real starved compile: 0.3 s of CPU at nice +10, pinned to one CPU
-    beside a nice-0 process that never stops computing, gets at most a tenth
-    of that CPU (CFS weights 110 against 1024), so it takes at least 3 s on
-    the wall clock, past its 1 s deadline. It compiles, and its thread's
-    wait, which the deadline did not count, is most of its time."""
+    """A real starved compile: 0.3 deadlines of CPU at nice +10, pinned to one
+    CPU beside a nice-0 process that never stops computing, gets at most a
+    tenth of that CPU (CFS weights 110 against 1024), so it takes at least
+    three deadlines on the wall clock. It compiles, and its thread's wait,
+    which the deadline did not count, is most of its time.
+
+    Whether its own time stays under the deadline is the machine's: a VM
+    whose host takes the CPU away (steal) charges that to the running
+    thread. So a timeout is accepted only where the compile's own time,
+    measured inside it, really passed the deadline, and the demonstration
+    is repeated with a longer deadline (and as much longer a compile)."""
     cpu = min(os.sched_getaffinity(0))
     hog = subprocess.Popen(
         [
@@ -125,33 +178,19 @@ def test_a_starved_compile_finishes_instead_of_timing_out():
     try:
         os.sched_setaffinity(hog.pid, {cpu})
         assert hog.stdout.readline() == b"go\n"
-        seen: dict[str, float] = {}
-
-        def compile_fn(spec):
-            os.sched_setaffinity(0, {cpu})  # this thread only
-            tid = threading.get_native_id()
-            seen["waited"], start = run_queue_wait_s(tid), time.monotonic()
-            _spin_cpu_s(0.3)
-            seen["wall"] = time.monotonic() - start
-            seen["waited"] = run_queue_wait_s(tid) - seen["waited"]
-            return object()
-
-        config = GrammarConfig(
-            num_compile_workers=1,
-            compile_timeout_s=1.0,
-            compile_wall_timeout_s=3600,
-            compile_nice=10,
-        )
-        service = CompileService(config, compile_fn)
-        try:
-            job, _ = service.submit(SPEC)
-            while not job.done.wait(0.05):
-                service.poll()
-        finally:
-            service.close()
-        assert job.error is None, job.error
-        assert seen["wall"] > 1.0  # the wall clock alone would have timed it out
-        assert seen["waited"] > seen["wall"] / 2
+        own_times = []
+        for deadline_s in (1.0, 2.0, 4.0):
+            job, wall, waited = _starved_compile(cpu, deadline_s)
+            assert waited > 0  # a thread pinned beside a spinning one waited
+            if job.error is None:
+                assert wall > deadline_s  # the wall clock alone would have timed it out
+                assert waited > wall / 2
+                return
+            # Timed out: right only if its own time passed the deadline.
+            assert job.error[0] == ErrorCode.grammar_timeout, job.error
+            assert wall - waited > deadline_s, (job.error, wall, waited)
+            own_times.append(f"{wall - waited:.2f} s of {deadline_s:g} s")
+        pytest.skip(f"this machine ran each compile past its deadline on its own: {own_times}")
     finally:
         hog.kill()
         hog.wait()
