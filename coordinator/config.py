@@ -103,6 +103,15 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # within twice this many steps, naming the first step and row that
     # differed. 1 checks every step (one collective per step).
     tp_check_steps: Annotated[int, Meta(ge=1, le=1024)] = 8
+    # Inside vLLM (the per-step agreement of rank_worker.session.futures): the
+    # most engine steps between two agreements while a request waits. After
+    # every 4 agreements in a row that decided nothing the gap doubles, up to
+    # this; a new request or a decision sets it back to 1. A decision then
+    # comes at most about a quarter later than the time already waited, and
+    # the steps in between decode without a collective. 1 agrees every step.
+    # (SGLang's adapter agrees in a loop that blocks its scheduler: it always
+    # agrees every round.)
+    agree_max_gap_steps: Annotated[int, Meta(ge=1, le=64)] = 8
     # Idle steps (nothing pending) between clock agreements, so poison TTLs
     # still expire at an agreed instant when no request is waiting. With
     # compile_mode sync (the external launcher) these are the only

@@ -149,7 +149,12 @@ class GramcoordBackend(StructuredOutputBackend):
             self.config, HostVocabulary(vocab), compile_fn=faults.wrap_compile(self._compile_spec)
         )
         self.leader = StageLeader.for_host(manager, self.group, distributed)
-        self.grammars = GrammarFutures(self.leader, admit=self._admitted, refuse=self._refused)
+        self.grammars = GrammarFutures(
+            self.leader,
+            admit=self._admitted,
+            refuse=self._refused,
+            max_gap=distributed.agree_max_gap_steps,
+        )
         poison = replica_poison(self.vllm_config)
         if poison is not None:
             poison.attach(self.leader)
@@ -222,7 +227,7 @@ class GramcoordBackend(StructuredOutputBackend):
 
     def before_schedule(self, num_unfinished: int) -> None:
         """Top of every ``Scheduler.schedule``: sleep briefly if only grammars are awaited,
-        then agree (every rank, every step)."""
+        then agree (every rank, every step but those the gap skips: ``futures``)."""
         undecided = self.grammars.num_undecided
         if undecided and num_unfinished <= undecided:
             self.grammars.wait(0.02)
