@@ -161,8 +161,14 @@ class GrammarFutures:
             self.leader.release(request_id)
 
     def wait(self, timeout_s: float) -> None:
-        """Sleep up to ``timeout_s`` on the oldest unfinished compile (never spins)."""
-        if self._futures:
+        """Sleep up to ``timeout_s`` on the oldest unfinished compile (never spins).
+
+        Not at all while an undecided request has compiled here: the next
+        agreement may decide it (cache hits beside a slow compile, say).
+        """
+        with self._lock:
+            pending = list(self._futures)
+        if pending and not any(self.leader.compiled_here(r) for r in pending):
             self.leader.wait_compiles(timeout_s)
 
     def compiled_here(self, request_id: str) -> bool:

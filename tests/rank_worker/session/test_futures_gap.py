@@ -3,6 +3,7 @@ agreements that decide nothing are spaced out, alike on every rank."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -116,3 +117,24 @@ def test_max_gap_is_checked():
     assert DistributedConfig().agree_max_gap_steps == 8
     with pytest.raises(msgspec.ValidationError, match="agree_max_gap_steps"):
         msgspec.convert({"agree_max_gap_steps": 0}, DistributedConfig)
+
+
+def test_wait_sleeps_only_while_nothing_undecided_has_compiled_here(make_futures):
+    f = make_futures(max_gap=8)
+    rank0 = f.futures[0]
+    f.submit("slow", SPEC_A)
+    start = time.monotonic()
+    rank0.wait(0.2)  # only the gated compile: it sleeps on it
+    assert time.monotonic() - start >= 0.2
+    f.submit("fast", SPEC_B)
+    for _ in range(6000):  # the fast compile ends (the slow one stays gated)
+        if f.ranks.leaders[0].compiled_here("fast"):
+            break
+        time.sleep(0.01)
+    # A decision is possible now: waiting would only delay it.
+    waiter = threading.Thread(target=rank0.wait, args=(600,), daemon=True)
+    waiter.start()
+    waiter.join(120)
+    assert not waiter.is_alive()
+    # It returned before the slow compile ended (its gate is still closed).
+    assert not f.ranks.leaders[0].compiled_here("slow")
