@@ -194,7 +194,14 @@ def hol_records(xg: list[dict], gc: list[dict], *, free_core: bool = False) -> l
             f"then {n} fast ones; ms until every fast one finished, slowest rank, median of "
             f"{len(_per_round(gc, 'fast_done_ms'))} rounds (alternated between backends); the "
             f"slow one finished at {slow_gc:.0f} ms (gramcoord) / {slow_xg:.0f} ms (xgrammar); "
-            f"outputs {agree} across ranks",
+            f"outputs {agree} across ranks"
+            + (
+                ""
+                if free_core
+                else "; here the slow compile shares both cores with the TP pair's lockstepped "
+                "decode, which it slows 2-3x (docs/performance.md: why this figure can stay "
+                "below the target when the free-core one meets it)"
+            ),
         ),
         BenchRecord.compare(
             f"vllm_tp2_fast_admitted_gramcoord{tail}",
