@@ -111,10 +111,6 @@ def _spin_cpu_s(seconds: float) -> None:
     hashlib.pbkdf2_hmac("sha256", b"gramcoord", b"salt", max(int(seconds / per_iteration), 1))
 
 
-@pytest.mark.skipif(
-    not os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat"),
-    reason="the kernel does not report run-queue waits",
-)
 def _starved_compile(cpu: int, deadline_s: float) -> tuple[CompileJob, float, float]:
     """One compile of ``0.3 * deadline_s`` CPU-seconds at nice +10, pinned to
     ``cpu`` (where a nice-0 process spins), under ``deadline_s``. Returns the
