@@ -7,17 +7,33 @@ clock alone, a one-second compile on a loaded host (the compile threads run
 at nice +10 inside the engines, beside dozens of nice-0 tasks) took minutes
 and failed with ``grammar_timeout`` although xgrammar would have finished it
 in a second of CPU. So ``grammar.compile_timeout_s`` counts the compile's
-time *less the time its thread sat runnable in the run queue*: a compile
-that computes or blocks (a hung native call, an injected delay) is charged
-in full, a compile that waits for a CPU is not.
+*own time*: the time it computed or blocked (a hung native call, an
+injected delay), not the time its thread sat runnable waiting for a CPU.
 ``grammar.compile_wall_timeout_s`` still bounds the wall time, so a starved
 compile cannot hold its request for ever.
 
-Linux reports the wait per thread in ``/proc/<pid>/task/<tid>/schedstat``
-(its second field, in nanoseconds; ``CONFIG_SCHED_INFO``). Where the file is
-missing (another OS, a kernel without it) the wait reads 0 and the deadline
-is the wall clock. Our compiles are single-threaded (``max_threads=1``: the
-compile runs on the pool's thread), so the thread's wait is the compile's.
+Linux reports per thread (``/proc/<pid>/task/<tid>/``) the time on a CPU
+and the run-queue waits in ``schedstat``, and the state in ``stat``. The
+kernel adds a wait to ``schedstat`` only when it *ends* (the thread gets a
+CPU): read while the thread is still queued, the wait in progress is
+missing, and wall-clock-less-waits counts it as the compile's own time. At
+nice +10 among busy nice-0 tasks single waits last seconds, so a poll that
+landed in one timed out compiles that had computed a fraction of their
+deadline. Hence two readings:
+
+- the thread is not runnable (sleeping, blocked): no wait is in progress,
+  so wall clock less the waits is exact;
+- the thread is runnable (on a CPU, or queued for one, which ``stat`` does
+  not tell apart): only a lower bound is certain, the last exact own time
+  plus the CPU time since. A queued thread's CPU time does not move, so a
+  poll inside a wait of any length charges it nothing; a thread that
+  computes is charged every CPU-second. A compile that slept since the last
+  exact reading is charged that sleep at the next one.
+
+Where the files are missing (another OS, a kernel without
+``CONFIG_SCHED_INFO``) there is no reading and the deadline is the wall
+clock. Our compiles are single-threaded (``max_threads=1``: the compile
+runs on the pool's thread), so the thread's times are the compile's.
 """
 
 from __future__ import annotations
@@ -25,32 +41,49 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from gramcoord.coordinator.status import PendingState
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 
-# tid -> seconds the thread has waited for a CPU since it started.
-CpuWait = Callable[[int], float]
+
+class ThreadTimes(NamedTuple):
+    """What the kernel says of one thread, in seconds since it started."""
+
+    cpu_s: float
+    # Run-queue waits that have ended; a wait in progress is not in it.
+    waited_s: float
+    # Running or queued for a CPU (state R): a wait may be in progress.
+    runnable: bool
 
 
-def run_queue_wait_s(tid: int) -> float:
-    """Seconds thread ``tid`` of this process has spent runnable but not running.
+# tid -> the thread's times, or None where the kernel does not say.
+ThreadReader = Callable[[int], "ThreadTimes | None"]
 
-    0.0 where the kernel does not say (the deadline is then the wall clock).
+
+def read_thread_times(tid: int) -> ThreadTimes | None:
+    """Thread ``tid`` of this process as the kernel reports it, or None.
+
+    The state is read before the times: a thread seen not runnable had no
+    wait in progress up to the read (one that began after it is not part
+    of the caller's clock reading, taken before).
     """
+    base = f"/proc/{os.getpid()}/task/{tid}/"
     try:
-        with open(f"/proc/{os.getpid()}/task/{tid}/schedstat", "rb") as f:
+        with open(base + "stat", "rb") as f:
+            # "pid (comm) S ...": comm may hold spaces and parentheses.
+            state = f.read().rsplit(b")", 1)[1].split(None, 1)[0]
+        with open(base + "schedstat", "rb") as f:
             fields = f.read().split()
-        return int(fields[1]) / 1e9
+        return ThreadTimes(int(fields[0]) / 1e9, int(fields[1]) / 1e9, state == b"R")
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
-def no_wait(tid: int) -> float:
-    """The wait under an injected clock: none (the test's clock is the deadline)."""
-    return 0.0
+def no_reading(tid: int) -> ThreadTimes | None:
+    """No kernel reading: the deadline is the (injected) clock."""
+    return None
 
 
 class CompileJob:
@@ -59,9 +92,14 @@ class CompileJob:
     def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
         self.started_at: float | None = None
-        # The worker thread's native id and its CPU wait at the start.
+        # The worker thread's native id, and its times at the start.
         self.tid = 0
-        self.waited_at_start = 0.0
+        self.times_at_start: ThreadTimes | None = None
+        # The last own time known exactly, and the thread's CPU time then:
+        # while the thread is runnable, its own time is at least that plus
+        # the CPU it has had since.
+        self._exact_own_s = 0.0
+        self._exact_cpu_s = 0.0
         self.result: Any = None
         # (ErrorCode, message) once the job failed.
         self.error: tuple[ErrorCode, str] | None = None
@@ -96,25 +134,47 @@ class CompileJob:
             self.error = (code, message)
             self.done.set()
 
+    def start(self, tid: int, now: float, times: ThreadTimes | None) -> None:
+        """The worker thread ``tid`` starts the compile at ``now``."""
+        self.tid = tid
+        self.started_at = now
+        self.times_at_start = times
+        self._exact_own_s = 0.0
+        self._exact_cpu_s = times.cpu_s if times is not None else 0.0
+
+    def own_time(self, wall: float, times: ThreadTimes | None) -> float:
+        """The compile's own time after ``wall`` seconds, given its thread's
+        ``times`` read at that moment: never more than it really was."""
+        start = self.times_at_start
+        if times is None or start is None:
+            return wall
+        if not times.runnable:
+            own = wall - (times.waited_s - start.waited_s)
+            self._exact_own_s, self._exact_cpu_s = own, times.cpu_s
+            return own
+        return self._exact_own_s + max(0.0, times.cpu_s - self._exact_cpu_s)
+
     def overrun(
-        self, now: float, timeout_s: float, wall_timeout_s: float, cpu_wait: CpuWait
+        self, now: float, timeout_s: float, wall_timeout_s: float, read: ThreadReader
     ) -> str | None:
         """Why this job is past its deadline at ``now``, or None if it is not.
 
-        Its time is the wall clock since it started less what its thread
-        waited for a CPU meanwhile (``cpu_wait``); the wait is read only once
-        the wall clock alone has passed ``timeout_s`` (the common case costs
-        nothing). ``wall_timeout_s`` bounds the wall clock itself.
+        The thread is read only once the wall clock alone has passed
+        ``timeout_s`` (the common case costs nothing).
+        ``wall_timeout_s`` bounds the wall clock itself.
         """
         wall = now - (self.started_at if self.started_at is not None else now)
         if wall <= timeout_s:
             return None
-        own = wall - (cpu_wait(self.tid) - self.waited_at_start)
+        own = self.own_time(wall, read(self.tid))
         if own > timeout_s:
-            return f"compile ran past grammar.compile_timeout_s={timeout_s:g}s"
+            return (
+                f"compile ran past grammar.compile_timeout_s={timeout_s:g}s "
+                "(its own time: waits for a CPU are not counted)"
+            )
         if wall > wall_timeout_s:
             return (
                 f"compile ran past grammar.compile_wall_timeout_s={wall_timeout_s:g}s "
-                f"({wall - own:.0f}s of it waiting for a CPU)"
+                f"of wall time ({own:.1f}s its own, the rest waiting for a CPU)"
             )
         return None

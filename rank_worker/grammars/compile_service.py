@@ -5,8 +5,9 @@ by every request that joined it. Results are handed to the manager, which
 decides (at agreed points) what enters the compile and poison caches.
 
 A deadline runs from the moment a worker starts the compile and counts the
-compile's own time: the wall clock less the time its thread waited for a
-CPU (``compile_job``: a loaded machine makes a compile slower, not timed out),
+compile's own time: what it computed or blocked, never the time its thread
+waited for a CPU (``compile_job``: a loaded machine makes a compile slower,
+not timed out),
 with ``grammar.compile_wall_timeout_s`` bounding the wall time. A
 thread cannot be killed, so a compile that overruns keeps its thread: it is
 counted as *stuck*, and a spare worker takes its place so the pool keeps
@@ -51,9 +52,9 @@ from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
 from gramcoord.rank_worker.grammars.compile_job import (
     CompileJob,
-    CpuWait,
-    no_wait,
-    run_queue_wait_s,
+    ThreadReader,
+    no_reading,
+    read_thread_times,
 )
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.native_exit import native_call
@@ -153,9 +154,10 @@ class CompileService:
         Tests inject slow or failing functions here.
     clock:
         Monotonic seconds; injected by tests.
-    cpu_wait:
-        A thread's time spent waiting for a CPU (``compile_job``), not charged
-        to its compile's deadline; none under an injected clock by default.
+    thread_times:
+        A thread's CPU time, run-queue waits and state (``compile_job``),
+        from which the deadline takes the compile's own time; none under an
+        injected clock by default.
     """
 
     def __init__(
@@ -164,14 +166,14 @@ class CompileService:
         compile_fn: CompileFn,
         *,
         clock: Callable[[], float] = time.monotonic,
-        cpu_wait: CpuWait | None = None,
+        thread_times: ThreadReader | None = None,
     ) -> None:
         self.sync = config.compile_mode == "sync"
         self.timeout_s = config.compile_timeout_s
         self.wall_timeout_s = config.wall_timeout_s
-        if cpu_wait is None:
-            cpu_wait = run_queue_wait_s if clock is time.monotonic else no_wait
-        self._cpu_wait = cpu_wait
+        if thread_times is None:
+            thread_times = read_thread_times if clock is time.monotonic else no_reading
+        self._thread_times = thread_times
         self.pool_size = config.pool_size
         self.stuck_limit = config.stuck_limit
         self.nice = config.compile_nice
@@ -246,9 +248,9 @@ class CompileService:
         with self._lock:
             if job.done.is_set():  # failed or released while queued
                 return
-            job.tid = threading.get_native_id()
-            job.waited_at_start = self._cpu_wait(job.tid)
-            job.started_at = self._clock()
+            tid = threading.get_native_id()
+            # Sync compiles have no deadline: nothing to read.
+            job.start(tid, self._clock(), None if self.sync else self._thread_times(tid))
             self._running.add(job)
         t0 = time.perf_counter()
         try:
@@ -274,13 +276,13 @@ class CompileService:
     # -- deadlines --------------------------------------------------------
 
     def _overrun(self, job: CompileJob, now: float) -> str | None:
-        return job.overrun(now, self.timeout_s, self.wall_timeout_s, self._cpu_wait)
+        return job.overrun(now, self.timeout_s, self.wall_timeout_s, self._thread_times)
 
     def num_stuck(self) -> int:
         """Compiles still running past their deadline (each holds a worker)."""
         now = self._clock()
         # Under the lock: a job in _running has a live thread (its worker
-        # leaves _running under the lock before it may end), whose CPU wait
+        # leaves _running under the lock before it may end), whose times
         # can still be read.
         with self._lock:
             return sum(1 for j in self._running if self._overrun(j, now) is not None)
