@@ -16,7 +16,12 @@ fails with ``output_schema_mismatch`` and the first violation, and the run
 summary counts it.
 
 The verdict depends only on the output text and the canonical schema, so
-every rank, and the one-process reference run, gives the same one.
+every rank, and the one-process reference run, gives the same one. Nothing
+is ever fetched: a ``$ref`` or ``$schema`` naming a document outside the
+schema resolves only against the JSON Schema meta-schemas ``jsonschema``
+ships (jsonschema's default would fetch any ``http(s)`` URI a user wrote,
+from the engine's host). A reference that resolves nowhere cannot be
+checked: the output is let through and the admission warning stands.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import json
 from typing import Any
 
 import jsonschema
+from referencing import Registry
+from referencing.exceptions import Unresolvable
 
 from gramcoord.rank_worker.errors import ErrorCode
 
@@ -66,15 +73,17 @@ def _validator(schema_text: str):
         cls.check_schema(schema)
     except jsonschema.SchemaError:
         return None
-    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    # A registry of our own (jsonschema adds its meta-schemas to it) whose
+    # lookup of anything else fails instead of retrieving it.
+    return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=Registry())
 
 
 def end_check(schema_text: str, output: str) -> str | None:
     """Why ``output`` breaks the schema ``schema_text``, or ``None`` when it holds.
 
-    A schema ``jsonschema`` cannot use (its own meta-schema refuses it)
-    cannot be checked: the output is let through and the admission warning
-    stands.
+    A schema ``jsonschema`` cannot use (its own meta-schema refuses it, or
+    a reference in it resolves nowhere) cannot be checked: the output is let
+    through and the admission warning stands.
     """
     validator = _validator(schema_text)
     if validator is None:
@@ -83,7 +92,10 @@ def end_check(schema_text: str, output: str) -> str | None:
         data = json.loads(output)
     except ValueError as exc:
         return f"the output is not JSON: {exc}"
-    error = next(iter(validator.iter_errors(data)), None)
+    try:
+        error = next(iter(validator.iter_errors(data)), None)
+    except Unresolvable:
+        return None
     if error is None:
         return None
     path = "$" + "".join(
