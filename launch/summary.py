@@ -57,7 +57,7 @@ class Summary(msgspec.Struct, kw_only=True):
     json_valid: dict[str, int]
     # Outputs of grammars that do not enforce all of their schema, validated
     # at the end: how many, and how many broke the schema (failed with
-    # output_schema_mismatch, never ok).
+    # schema_breach, never ok).
     end_checks: dict[str, int] = msgspec.field(default_factory=dict)
     # Finished outputs of json / json_object requests parsed as JSON: how
     # many, and how many were not JSON (failed with output_not_json, never ok).

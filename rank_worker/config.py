@@ -89,11 +89,11 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # JSON-Schema features xgrammar would not enforce: refuse the schema
     # (true), or admit it with a warning that names them and validate the
     # finished output against the schema (false, the default): an output
-    # that breaks it fails with output_schema_mismatch, never as ok.
+    # that breaks it fails with schema_breach, never as ok.
     reject_ignored_features: bool = False
     # How a refusal of such features ends: what the client can do, on the
-    # host that prints it. An embedding host sets its own words (the vLLM
-    # plugin says vLLM cannot accept them; the SGLang backend names its option).
+    # host that prints it. An embedding host sets its own words (the SGLang
+    # backend names its option; vLLM never refuses them: it checks the end).
     unenforced_hint: str = (
         "Remove these keywords, or set grammar.reject_ignored_features=false "
         "to accept them unenforced"

@@ -43,7 +43,7 @@ class ErrorCode(IntEnum):
     bad_request_id = 43
     # A finished output broke the schema its grammar did not fully enforce
     # (the end check, grammars.end_check).
-    output_schema_mismatch = 50
+    schema_breach = 50
     # The grammar's shortest sentence needs more tokens than max_tokens.
     grammar_unreachable_end = 51
     # A finished output of a json / json_object request is not JSON

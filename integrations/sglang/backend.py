@@ -77,6 +77,7 @@ from xgrammar import CompiledGrammar, GrammarMatcher
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
+from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
@@ -105,8 +106,10 @@ UNENFORCED_HINT = (
 def grammar_config(**options: Any) -> GrammarConfig:
     """The ``GrammarConfig`` for SGLang: the host decides which schemas it enforces.
 
-    ``reject_ignored_features`` is off (SGLang's own schema check runs at
-    compile and refuses what it does not enforce); a compile pool of 2+
+    ``reject_ignored_features`` is off: SGLang's own schema check runs at
+    compile and refuses what it does not enforce, and what it admits that
+    the grammar enforces in part is checked at the end
+    (``GramcoordGrammar.accept_token``); a compile pool of 2+
     so one slow compile does not queue the fast ones behind it, whose
     threads run at nice +10 so a compile storm cannot starve the scheduler.
     """
@@ -159,7 +162,26 @@ class AgreedFuture(Future):
 class GramcoordGrammar(XGrammarGrammar):
     """One request's matcher: SGLang's own ``XGrammarGrammar``, so every
     per-token behaviour SGLang's scheduler, batch and speculative code reads
-    is SGLang's; gramcoord decides only when it exists."""
+    is SGLang's; gramcoord decides only when it exists.
+
+    For a schema the grammar does not enforce whole (``check``: its text),
+    the output before the stop token the matcher terminates on is checked
+    against the schema (``end_check``); a breach raises ``ValueError``
+    there, which SGLang's scheduler answers by finishing the request as an
+    abort whose message is ``gramcoord schema_breach: ...``: never
+    delivered as if valid."""
+
+    check: str | None = None
+    decode: Any = None
+
+    def accept_token(self, token: int) -> None:
+        was = self.is_terminated()
+        super().accept_token(token)
+        if self.check is None or was or not self.is_terminated():
+            return
+        why = end_check(self.check, self.decode(self.accepted_tokens[:-1]))
+        if why is not None:
+            raise ValueError(f"gramcoord {ErrorCode.schema_breach.name}: {why}")
 
     def copy(self) -> GramcoordGrammar:
         """A fresh matcher on the shared compiled grammar (SGLang's cache semantics)."""
@@ -171,9 +193,11 @@ class GramcoordGrammar(XGrammarGrammar):
         stats = self.grammar_stats
         if stats is not None:
             stats = dataclasses.replace(stats, is_cache_hit=True, tree_traversal_time=[])
-        return GramcoordGrammar(
+        grammar = GramcoordGrammar(
             matcher, self.vocab_size, self.ctx, self.override_stop_tokens, self.key_string, stats
         )
+        grammar.check, grammar.decode = self.check, self.decode
+        return grammar
 
     @staticmethod
     def reset_vocab_mask(vocab_mask: torch.Tensor) -> None:
@@ -211,6 +235,7 @@ class GramcoordBackend(BaseGrammarBackend):
         compile_hook: Any = None,
     ) -> None:
         super().__init__()
+        self._tokenizer = tokenizer
         self.host = XGrammarGrammarBackend(
             tokenizer,
             vocab_size=vocab_size,
@@ -251,21 +276,31 @@ class GramcoordBackend(BaseGrammarBackend):
             raise ValueError(grammar.error_message)
         return grammar.ctx
 
-    def _from_ctx(self, ctx: CompiledGrammar, key: tuple[str, str], hit: bool) -> GramcoordGrammar:
+    def _from_ctx(
+        self, ctx: CompiledGrammar, key: tuple[str, str], hit: bool, check: str | None
+    ) -> GramcoordGrammar:
         matcher = GrammarMatcher(
             ctx,
             max_rollback_tokens=MAX_ROLLBACK_TOKENS,
             override_stop_tokens=self.host.override_stop_tokens,
         )
         stats = GrammarStats(dispatch_type=key[0], is_cache_hit=hit)
-        return GramcoordGrammar(
+        grammar = GramcoordGrammar(
             matcher, self.vocab_size, ctx, self.host.override_stop_tokens, key[1], stats
         )
+        if check is not None:
+            grammar.check, grammar.decode = check, self._decode
+        return grammar
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """An output's text as SGLang's detokenizer gives it (special tokens skipped)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _admitted(self, outcome: Outcome) -> GramcoordGrammar:
         rid = outcome.request_id
         try:
-            return self._from_ctx(self.leader.compiled(rid), self._keys.pop(rid), False)
+            compiled, key = self.leader.compiled(rid), self._keys.pop(rid)
+            return self._from_ctx(compiled, key, False, outcome.end_check)
         finally:
             # SGLang keeps the grammar object; the compiled grammar stays cached.
             self.leader.release(rid)
@@ -294,7 +329,7 @@ class GramcoordBackend(BaseGrammarBackend):
             return done, False
         found = self.leader.lookup(spec)
         if found.compiled is not None:
-            grammar = self._from_ctx(found.compiled, key, True)
+            grammar = self._from_ctx(found.compiled, key, True, found.end_check)
             grammar.maybe_init_reasoning(require_reasoning)
             return grammar, True
         if found.failed is not None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from gramcoord.integrations.vllm.tp_digest import MaskDigests
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
+from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
@@ -119,9 +121,38 @@ class GramcoordGrammar(XgrammarGrammar):
     """One request's matcher: vLLM's own ``XgrammarGrammar`` (accept, validate,
     rollback, tokens after termination, bitmask fill), so the engine's
     per-token behaviour is exactly vLLM's; gramcoord decides only when it
-    exists (the agreement)."""
+    exists (the agreement).
+
+    For a schema the grammar does not enforce whole (``check``: its text,
+    ``GrammarSpec.end_check``) it also keeps the tokens it accepted: when
+    the matcher terminates (it accepted a stop token), the output before
+    that token is validated against the schema (``end_check``), and
+    ``breach`` says why it breaks it. A rollback past the termination (a
+    draft token) takes the verdict back."""
 
     request_id: str = ""
+    check: str | None = None
+    decode: Callable[[list[int]], str] | None = None
+    tokens: list[int] = field(default_factory=list, repr=False)
+    breach: str | None = None
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        if self.check is None:
+            return super().accept_tokens(request_id, tokens)
+        before, was = self.num_processed_tokens, self._is_terminated
+        ok = super().accept_tokens(request_id, tokens)
+        self.tokens.extend(tokens[: self.num_processed_tokens - before])
+        if self._is_terminated and not was:
+            # The last token is the stop token the matcher terminated on.
+            self.breach = end_check(self.check, self.decode(self.tokens[:-1]))
+        return ok
+
+    def rollback(self, num_tokens: int) -> None:
+        super().rollback(num_tokens)
+        if self.check is not None and num_tokens > 0:
+            del self.tokens[-num_tokens:]
+            if not self._is_terminated:
+                self.breach = None
 
 
 @dataclass
@@ -162,6 +193,10 @@ class GramcoordBackend(StructuredOutputBackend):
         if self.group is not None:
             self.digests = MaskDigests(self.group, distributed, self._max_rows(), faults)
         self._stops: dict[str, set[int] | None] = {}
+        # End-checked grammars by request, and the breaches of those freed
+        # since the engine step's outputs were last read (failures.py).
+        self._checked: dict[str, GramcoordGrammar] = {}
+        self.breaches: dict[str, str] = {}
         logger.info(
             "gramcoord backend: vocabulary %s, agreement group of %d, %d compile workers",
             vocab,
@@ -218,7 +253,15 @@ class GramcoordBackend(StructuredOutputBackend):
 
     def _admitted(self, outcome: Outcome) -> GramcoordGrammar:
         rid = outcome.request_id
-        return self._grammar(self.leader.compiled(rid), self._stops.pop(rid, None), rid)
+        grammar = self._grammar(self.leader.compiled(rid), self._stops.pop(rid, None), rid)
+        if outcome.end_check is not None:
+            grammar.check, grammar.decode = outcome.end_check, self._decode
+            self._checked[rid] = grammar
+        return grammar
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """An output's text as vLLM's detokenizer gives it (special tokens skipped)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _refused(self, outcome: Outcome) -> GrammarInitError:
         self._stops.pop(outcome.request_id, None)
@@ -236,7 +279,15 @@ class GramcoordBackend(StructuredOutputBackend):
     def release(self, request_id: str) -> None:
         """``Scheduler._free_request``: the request ended, for whatever reason."""
         self._stops.pop(request_id, None)
+        grammar = self._checked.pop(request_id, None)
+        if grammar is not None and grammar.breach is not None:
+            self.breaches[request_id] = grammar.breach
         self.grammars.release(request_id)
+
+    def take_breaches(self) -> dict[str, str]:
+        """The breaches of the requests freed since the last call (each read once)."""
+        found, self.breaches = self.breaches, {}
+        return found
 
     @property
     def num_live(self) -> int:

@@ -58,6 +58,9 @@ STATUS: dict[str, HTTPStatus] = {
     "grammar_stage_timeout": HTTPStatus.SERVICE_UNAVAILABLE,
     "grammar_divergence": HTTPStatus.SERVICE_UNAVAILABLE,
     "aborted": HTTPStatus.SERVICE_UNAVAILABLE,
+    # The output broke a schema its grammar could not enforce whole, and the
+    # end check caught it: a retry samples again.
+    "schema_breach": HTTPStatus.UNPROCESSABLE_ENTITY,
     "grammar_internal": HTTPStatus.INTERNAL_SERVER_ERROR,
     # The TP ranks filled different masks (tp_digest): a fault of the server.
     "tp_mask_mismatch": HTTPStatus.INTERNAL_SERVER_ERROR,
@@ -134,6 +137,9 @@ def _wrap_scheduler() -> None:
     def update_from_output(self, scheduler_output, model_runner_output):
         failed = _grammar_errors(self) if self.grammar_compile_error_reqs else {}
         outputs = original(self, scheduler_output, model_runner_output)
+        breaches = _take_breaches(self)
+        if breaches:
+            _fail_breaches(outputs, breaches, FinishReason)
         if not failed:
             return outputs
         for engine_outputs in outputs.values():
@@ -155,6 +161,36 @@ def _wrap_scheduler() -> None:
         return outputs
 
     Scheduler.update_from_output = update_from_output
+
+
+def _take_breaches(scheduler: Any) -> dict[str, str]:
+    from gramcoord.integrations.vllm.backend import GramcoordBackend
+
+    backend = scheduler.structured_output_manager.backend
+    return backend.take_breaches() if isinstance(backend, GramcoordBackend) else {}
+
+
+def _fail_breaches(outputs: Any, breaches: dict[str, str], finish: Any) -> None:
+    """The outputs that finish a request whose text broke its schema become
+    ``schema_breach`` failures: never delivered as if valid.
+
+    A breach is found when the matcher terminates, which happens on the
+    stop token that finishes the request, in the step whose outputs these
+    are (a request freed otherwise, an abort, has no output here: its
+    breach is dropped)."""
+    for engine_outputs in outputs.values():
+        for out in engine_outputs.outputs:
+            why = breaches.get(out.request_id)
+            if why is None or out.finish_reason is None or out.finish_reason == finish.ERROR:
+                continue
+            out.finish_reason = finish.ERROR
+            out.stop_reason = payload(ErrorCode.schema_breach.name, why)
+            logger.warning(
+                "gramcoord: request %s failed: %s: %s",
+                out.request_id,
+                ErrorCode.schema_breach.name,
+                why,
+            )
 
 
 def _wrap_output() -> None:

@@ -29,7 +29,6 @@ from gramcoord.rank_worker.config import FaultsConfig, GrammarConfig
 
 __all__ = [
     "ENGINE_OPTIONS",
-    "UNENFORCED_HINT",
     "GramcoordOptions",
     "OptionsError",
     "grammar_config",
@@ -55,16 +54,10 @@ ENGINE_OPTIONS = frozenset(
 )
 SECTIONS = ("grammar", "faults", "distributed")
 NAME_KEY = "gramcoord"
-# The end of a refusal of features xgrammar would not enforce, under vLLM.
-UNENFORCED_HINT = (
-    "Remove these keywords: vLLM cannot accept them unenforced (it has no hook that "
-    "sees a finished output, so no check could catch a breach; "
-    "grammar.reject_ignored_features is always true under vLLM, and an "
-    "--additional-config that sets it stops the server at start)"
-)
 _WHY_NOT = {
-    "reject_ignored_features": "always true under vLLM: vLLM has no hook that sees a "
-    "finished output, so features xgrammar would not enforce are refused at the front end",
+    "reject_ignored_features": "always false under vLLM: a schema the grammar cannot "
+    "enforce whole is served, and its finished output is checked against the schema "
+    "(a breach fails with schema_breach)",
     "any_whitespace": "vLLM's --structured-outputs-config disable_any_whitespace sets it",
     "compile_mode": "always async under vLLM (the agreement keeps TP ranks in step)",
 }
@@ -130,14 +123,13 @@ def grammar_config(disable_any_whitespace: bool, options: Any = None) -> Grammar
     # the engine loop of CPU (compile threads yield to the loop).
     options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
     options.setdefault("compile_nice", 10)
-    # vLLM has no hook that sees a finished output, so nothing can be
-    # checked at the end: what xgrammar would not enforce is refused at
-    # vLLM's front end instead.
+    # What xgrammar would not enforce is served, and the finished output is
+    # checked against the schema in the engine (backend.GramcoordGrammar sees
+    # every token it accepts; failures.py turns a breach into an error).
     fixed = {
         "compile_mode": "async",
         "any_whitespace": not disable_any_whitespace,
-        "reject_ignored_features": True,
-        "unenforced_hint": UNENFORCED_HINT,
+        "reject_ignored_features": False,
     }
     return _convert({**options, **fixed}, GrammarConfig, where)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import typing
 from typing import Any
 
@@ -53,6 +54,24 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "SamplingParams._validate_structured_outputs",
         ("self", "model_config", "structured_outputs_config", "tokenizer"),
         "front-end validation: vLLM's xgrammar rules, then ours (VLLMValidationError, 400)",
+    ),
+    (
+        "vllm.v1.structured_output.backend_xgrammar",
+        "has_xgrammar_unsupported_json_features",
+        ("schema",),
+        "skipped inside gramcoord's validation: it serves those features, end-checked",
+    ),
+    (
+        "vllm.v1.structured_output.backend_xgrammar",
+        "XgrammarGrammar.accept_tokens",
+        ("self", "request_id", "tokens"),
+        "end-checked grammars keep the tokens they accept and check at termination",
+    ),
+    (
+        "vllm.v1.structured_output.backend_xgrammar",
+        "XgrammarGrammar.rollback",
+        ("self", "num_tokens"),
+        "a rollback past the termination takes the end check's verdict back",
     ),
     (
         "vllm.v1.structured_output",
@@ -186,6 +205,7 @@ def _widen_backend_literal() -> None:
 
 
 def _wrap_validation() -> None:
+    import vllm.v1.structured_output.backend_xgrammar as vllm_xgrammar
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
@@ -194,6 +214,20 @@ def _wrap_validation() -> None:
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
     original = SamplingParams._validate_structured_outputs
+    # vLLM refuses JSON-Schema features xgrammar leaves unenforced
+    # (uniqueItems, multipleOf on numbers, a length beside a pattern, ...).
+    # gramcoord serves them and checks the finished output against the
+    # schema, so under gramcoord (and only inside its validation: the flag
+    # is per thread) vLLM's own rules skip that list; gramcoord's validation
+    # decides.
+    unsupported = vllm_xgrammar.has_xgrammar_unsupported_json_features
+    ours = threading.local()
+
+    @functools.wraps(unsupported)
+    def has_unsupported(schema):
+        return False if getattr(ours, "validating", False) else unsupported(schema)
+
+    vllm_xgrammar.has_xgrammar_unsupported_json_features = has_unsupported
 
     @functools.wraps(original)
     def validate(self, model_config, structured_outputs_config, tokenizer):
@@ -209,7 +243,11 @@ def _wrap_validation() -> None:
             )
         so._backend = None
         as_xgrammar = dataclasses.replace(structured_outputs_config, backend="xgrammar")
-        original(self, model_config, as_xgrammar, tokenizer)  # vLLM's own rules first
+        ours.validating = True
+        try:
+            original(self, model_config, as_xgrammar, tokenizer)  # vLLM's own rules first
+        finally:
+            ours.validating = False
         spec = {
             f: getattr(so, f)
             for f in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

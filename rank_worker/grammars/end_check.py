@@ -12,7 +12,7 @@ ignores, admitted with ``grammar.reject_ignored_features: false``; a
 such a request finishes, its text is validated with ``jsonschema`` (formats
 checked too: the calendar of a ``date`` is one of the weakened features)
 before it is returned. An output that breaks the schema is never ``ok``: it
-fails with ``output_schema_mismatch`` and the first violation, and the run
+fails with ``schema_breach`` and the first violation, and the run
 summary counts it.
 
 The verdict depends only on the output text and the canonical schema, so
@@ -39,7 +39,7 @@ from gramcoord.rank_worker.errors import ErrorCode
 # Compiled validators kept, by canonical schema text.
 _VALIDATORS = 256
 
-MISMATCH = ErrorCode.output_schema_mismatch.name
+MISMATCH = ErrorCode.schema_breach.name
 NOT_JSON = ErrorCode.output_not_json.name
 
 

@@ -80,6 +80,9 @@ class Lookup(NamedTuple):
     compiled: Any
     # The failed outcome of a poisoned key.
     failed: Outcome | None
+    # On a hit, the schema text a finished output is checked against
+    # (``grammars.end_check``); None when the grammar enforces it all.
+    end_check: str | None = None
 
 
 class ManagerStats(msgspec.Struct, kw_only=True):

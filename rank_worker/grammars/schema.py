@@ -6,15 +6,20 @@ and sizing the request's value. The passes run forward, each once:
 
 1. **canonical** (``schema_tree.canonical_tree``): the sorted copy, the
    facts of its tree, its depth and longest list;
-2. **one walk** (``schema_walk.walk``): the lint of features xgrammar would
+2. **rewrites** (``schema_rewrite.rewrite``): shapes xgrammar would not
+   enforce whole, written as an equivalent it does (siblings of ``anyOf``
+   into its branches, ``$ref`` with siblings, untyped keywords, annotation
+   formats, ``dependentRequired``); the canonical copy is taken again of
+   the result;
+3. **one walk** (``schema_walk.walk``): the lint of features xgrammar would
    not enforce, the rewrites into what it enforces exactly (integral-float
    counts, ``enum`` / ``const`` values filtered by the keywords beside
    them), and what its converter reaches with this request's
    ``strict_mode`` (``required`` names it drops, ``oneOf`` it relaxes);
-3. **verdict**: refuse with a code, or admit with warnings; a warning that
+4. **verdict**: refuse with a code, or admit with warnings; a warning that
    the grammar does not enforce all of the schema makes the finished output
    end-checked (``GrammarSpec.end_check``);
-4. the canonical text, which the caller sizes, keys and bounds.
+5. the canonical text, which the caller sizes, keys and bounds.
 
 A new rule belongs to exactly one of these passes.
 """
@@ -27,6 +32,7 @@ from typing import Any
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
 from gramcoord.rank_worker.grammars.schema_lint import JSON_TYPES
+from gramcoord.rank_worker.grammars.schema_rewrite import rewrite
 from gramcoord.rank_worker.grammars.schema_tree import SchemaTree, canonical_tree
 from gramcoord.rank_worker.grammars.schema_walk import walk
 
@@ -57,17 +63,7 @@ def schema_text(
         ``grammar.reject_ignored_features``) a feature xgrammar would not
         enforce.
     """
-    tree = canonical_tree(schema, max_depth=MAX_DEPTH)
-    if tree.max_depth > MAX_DEPTH:
-        raise SpecError(
-            ErrorCode.spec_too_deep,
-            f"json schema nests {tree.max_depth} levels; the limit is {MAX_DEPTH}",
-        )
-    if tree.max_values > MAX_VALUES:
-        raise SpecError(
-            ErrorCode.spec_too_many_values,
-            f"json schema has a list of {tree.max_values} values; the limit is {MAX_VALUES}",
-        )
+    tree = enforced_tree(schema, strict_mode)
     found = walk(tree, strict_mode=strict_mode)
     if found.bad_types:
         path, value = found.bad_types[0]
@@ -96,6 +92,34 @@ def schema_text(
     if found.inexact_one_ofs:
         warnings.append(_one_of_warning(found.inexact_one_ofs))
     return canonical_json(tree.root), warnings, tree
+
+
+def enforced_tree(schema: dict, strict_mode: bool) -> SchemaTree:
+    """Passes 1 and 2: the canonical tree of ``schema``, rewritten where an
+    enforced equivalent exists (``schema_rewrite``).
+
+    Raises
+    ------
+    SpecError
+        Too deep, or a list too long.
+    """
+    tree = canonical_tree(schema, max_depth=MAX_DEPTH)
+    if tree.max_depth > MAX_DEPTH:
+        raise SpecError(
+            ErrorCode.spec_too_deep,
+            f"json schema nests {tree.max_depth} levels; the limit is {MAX_DEPTH}",
+        )
+    if tree.max_values > MAX_VALUES:
+        raise SpecError(
+            ErrorCode.spec_too_many_values,
+            f"json schema has a list of {tree.max_values} values; the limit is {MAX_VALUES}",
+        )
+    rewritten = rewrite(tree, strict_mode=strict_mode, max_depth=MAX_DEPTH)
+    if rewritten is not None:
+        again = canonical_tree(rewritten.root, max_depth=MAX_DEPTH)
+        if again.max_depth <= MAX_DEPTH and again.max_values <= MAX_VALUES:
+            return again
+    return tree
 
 
 def tag_warnings(tag: dict) -> list[str]:

@@ -217,7 +217,7 @@ class StageLeader:
             return Lookup(None, None, None)
         compiled = self._manager.caches.compiled.get(gspec.key)
         if compiled is not None:
-            return Lookup(gspec.key, compiled, None)
+            return Lookup(gspec.key, compiled, None, gspec.text if gspec.end_check else None)
         return Lookup(gspec.key, None, self._manager.poisoned(Entry(-1, "", gspec, "none")))
 
     def poison(self, spec: Any, code: ErrorCode, message: str) -> bool:

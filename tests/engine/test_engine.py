@@ -566,13 +566,15 @@ def test_run_loop_failures_still_finish(run, qwen_tokenizer):
 
 
 def test_an_output_the_grammar_let_through_but_the_schema_forbids_is_never_ok(qwen_tokenizer):
-    # xgrammar ignores dependentRequired: the grammar admits {"a": 1}, the
-    # schema does not. The request is admitted with a warning and its
-    # finished output is checked at the end.
+    # xgrammar ignores dependentRequired, and over an open object no
+    # rewrite can split it: the grammar admits {"a": 1}, the schema does
+    # not. The request is admitted with a warning and its finished output
+    # is checked at the end.
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
         "required": ["a"],
+        "additionalProperties": True,
         "dependentRequired": {"a": ["b"]},
     }
     records = [
@@ -588,7 +590,7 @@ def test_an_output_the_grammar_let_through_but_the_schema_forbids_is_never_ok(qw
         "grammar_end",
         "failed",
     )
-    assert broke.error.code == "output_schema_mismatch"
+    assert broke.error.code == "schema_breach"
     assert "'b' is a dependency of 'a'" in broke.error.message
     assert broke.text == '{"a": 1}'  # kept, for the user to see
     assert any(w.startswith("ignored_feature") for w in broke.warnings)
@@ -740,12 +742,12 @@ def test_merge_summary_counts_and_json_validity():
         "valid",
         status="failed",
         end_check="failed",
-        error=ErrorInfo("output_schema_mismatch", "the output breaks the schema at $"),
+        error=ErrorInfo("schema_breach", "the output breaks the schema at $"),
     )
     reports = [_report(0, (0, 0, 0), outputs=outs, stats=stats)]
     _, again = merge(reports, reqs, replicated=False, wall_s=2.5, config={})
     assert again.end_checks == {"checked": 1, "failed": 1}
-    assert again.requests["by_error"]["output_schema_mismatch"] == 1
+    assert again.requests["by_error"]["schema_breach"] == 1
 
 
 def test_json_checker_counts():

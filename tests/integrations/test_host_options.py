@@ -11,7 +11,6 @@ import pytest
 
 from gramcoord.integrations.vllm.options import (
     ENGINE_OPTIONS,
-    UNENFORCED_HINT,
     OptionsError,
     front_end_config,
     parse,
@@ -20,8 +19,8 @@ from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
 from gramcoord.rank_worker.grammars.spec import validate_spec
 
-# xgrammar would not enforce the required name "b" (not among the properties).
-UNENFORCED = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
+# xgrammar would not enforce uniqueItems, and no rewrite can.
+UNENFORCED = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
 
 
 @pytest.mark.parametrize(
@@ -31,7 +30,7 @@ UNENFORCED = {"type": "object", "properties": {"a": {"type": "string"}}, "requir
         ({"grammar": {"compile_timeout_s": -1}}, "gramcoord.grammar.compile_timeout_s", "Expected `float` > 0.0"),
         ({"grammar": {"no_such_option": 1}}, "gramcoord.grammar.no_such_option", "unknown field"),
         ({"grammar": {"strict_mode": False}}, "gramcoord.grammar.strict_mode", "not an option of the vLLM plugin"),
-        ({"grammar": {"reject_ignored_features": False}}, "gramcoord.grammar.reject_ignored_features", "always true under vLLM"),
+        ({"grammar": {"reject_ignored_features": False}}, "gramcoord.grammar.reject_ignored_features", "always false under vLLM"),
         ({"grammar": 3}, "gramcoord.grammar", "expected an object, got int"),
         ({"grammars": {}}, "gramcoord.grammars", "unknown field; use grammar, faults, distributed"),
         ({"faults": {"kill_rank": "one"}}, "gramcoord.faults.kill_rank", "Expected `int | null`, got `str`"),
@@ -59,7 +58,7 @@ def test_a_good_section_sets_what_it_names_and_fixes_the_rest() -> None:
         disable_any_whitespace=True,
     )
     assert (options.grammar.compile_timeout_s, options.grammar.max_pending) == (7.0, 9)
-    assert options.grammar.reject_ignored_features and not options.grammar.any_whitespace
+    assert not options.grammar.reject_ignored_features and not options.grammar.any_whitespace
     assert options.grammar.compile_mode == "async"
     assert options.faults.compile_error.pattern == "x"
     assert options.distributed.step_timeout_s == 5.0
@@ -79,10 +78,9 @@ def test_the_refusal_hint_can_be_followed_on_each_host() -> None:
     ours = _refusal(GrammarConfig(reject_ignored_features=True))
     assert ours.endswith("set grammar.reject_ignored_features=false to accept them unenforced")
     validate_spec({"json": UNENFORCED}, GrammarConfig(reject_ignored_features=False))
-    # vLLM: no way exists there, and the hint says so; the option it would
-    # take is refused at start, naming the field.
-    vllm = _refusal(front_end_config(False))
-    assert vllm.endswith(UNENFORCED_HINT) and "vLLM cannot accept them unenforced" in vllm
-    assert "reject_ignored_features=false to accept" not in vllm
-    with pytest.raises(OptionsError, match="reject_ignored_features: always true under vLLM"):
-        parse({"grammar": {"reject_ignored_features": False}})
+    # vLLM: served, and its finished output checked against the schema in
+    # the engine; the option is refused at start, naming the field.
+    served = validate_spec({"json": UNENFORCED}, front_end_config(False))
+    assert served.end_check and served.warnings[0].startswith("ignored_feature: $: uniqueItems")
+    with pytest.raises(OptionsError, match="reject_ignored_features: always false under vLLM"):
+        parse({"grammar": {"reject_ignored_features": True}})

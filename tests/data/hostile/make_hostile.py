@@ -636,39 +636,50 @@ def _required() -> list[Entry]:
     def j(schema: Any) -> dict:
         return {"json": schema}
 
-    unsupported = _code("schema_unsupported_feature")
+    # xgrammar enforces only the required names its object lists in
+    # properties, and keywords beside anyOf or $ref not at all; each shape
+    # below is rewritten into an equivalent it enforces whole
+    # (rank_worker/grammars/schema_rewrite.py), so it is served and the
+    # synthetic model, following a valid instance, ends the grammar.
+    enforced = _finish("grammar_end")
     two = {"foo": {"type": "integer"}, "bar": {"type": "integer"}}
     return [
         Entry(
             id="hostile/required/issue-shape",
             what="objects that require foo with no properties and additionalProperties "
-            "unset: xgrammar can only emit {} (the issue's [[{}], [{}]])",
+            "unset (xgrammar alone can only emit {}: the issue's [[{}], [{}]]): foo is "
+            "listed in properties",
             spec=j(
                 {
                     "type": "array",
                     "items": {"type": "array", "items": {"type": "object", "required": ["foo"]}},
                 }
             ),
-            expect=unsupported,
+            instance=[[{"foo": 1}]],
+            expect=enforced,
         ),
         Entry(
             id="hostile/required/not-in-properties",
-            what="required foo next to properties that list only bar",
+            what="required foo next to properties that list only bar: foo is listed",
             spec=j(
                 {"type": "object", "properties": {"bar": {"type": "string"}}, "required": ["foo"]}
             ),
-            expect=unsupported,
+            instance={"foo": 1},
+            expect=enforced,
         ),
         Entry(
             id="hostile/required/untyped",
-            what="required foo on an untyped node with no properties (compiled as any value)",
+            what="required foo on an untyped node with no properties (xgrammar alone: any "
+            "value): its object branch lists foo",
             spec=j({"required": ["foo"]}),
-            expect=unsupported,
+            instance={"foo": 1},
+            expect=enforced,
         ),
         Entry(
             id="hostile/required/anyof-branches",
             what="anyOf branches that list required only, relying on the parent's "
-            "properties (xgrammar does not merge them)",
+            "properties (xgrammar does not merge them): the parent's keywords move "
+            "into each branch",
             spec=j(
                 {
                     "type": "object",
@@ -676,11 +687,13 @@ def _required() -> list[Entry]:
                     "anyOf": [{"required": ["foo"]}, {"required": ["bar"]}],
                 }
             ),
-            expect=unsupported,
+            instance={"foo": 1},
+            expect=enforced,
         ),
         Entry(
             id="hostile/required/beside-ref",
-            what="required next to a $ref whose target does not require the name",
+            what="required next to a $ref whose target does not require the name: the "
+            "target is conjoined with it",
             spec=j(
                 {
                     "$defs": {"pair": {"type": "object", "properties": two}},
@@ -688,7 +701,8 @@ def _required() -> list[Entry]:
                     "required": ["foo"],
                 }
             ),
-            expect=unsupported,
+            instance={"foo": 1},
+            expect=enforced,
         ),
         Entry(
             id="hostile/required/enforced",

@@ -141,3 +141,41 @@ def test_unsupported_setups_are_refused_at_start(option) -> None:
             create_grammar_backend(args, h.tokenizer, h.vocab_size, h.eos_token_ids)
     finally:
         publish("gramcoord", h.server_args.model_path)
+
+
+def test_a_breach_of_a_schema_enforced_in_part_aborts_with_its_code(manager) -> None:
+    """The grammar emits exactly the enum value and cannot enforce the
+    calendar of format "date": at the stop token the end check finds the
+    breach, and SGLang's scheduler aborts on the ValueError it raises
+    (its message is the abort's). Overlapping oneOf branches (enforced as
+    anyOf) are checked the same way: an output in one branch finishes, one
+    in both aborts."""
+    import json
+
+    from tests.integrations.sglang.host import EOS_IDS
+
+    backend = manager.grammar_backend
+    tokenizer = host().tokenizer
+
+    def grammar_of(schema):
+        value, _ = backend.get_cached_or_future_value(("json", json.dumps(schema)), False)
+        return value.result() if hasattr(value, "result") else value
+
+    def follow(grammar, text):
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            grammar.accept_token(token)
+        grammar.accept_token(EOS_IDS[0])
+
+    breached = {"type": "string", "enum": ["2022-02-30"], "format": "date"}
+    for attempt in ("compiled", "cache hit"):
+        grammar = grammar_of(breached)
+        with pytest.raises(ValueError, match=r"^gramcoord schema_breach: ") as info:
+            follow(grammar, '"2022-02-30"')
+        assert "'2022-02-30' is not a 'date'" in str(info.value), attempt
+    overlap = {"oneOf": [{"type": "string", "enum": ["ab"]}, {"type": "string", "maxLength": 3}]}
+    held = grammar_of(overlap)
+    follow(held, '"abc"')
+    assert held.is_terminated()
+    with pytest.raises(ValueError, match="is valid under each of"):
+        follow(grammar_of(overlap), '"ab"')
+    assert backend.leader.num_live == 0

@@ -129,7 +129,7 @@ def test_the_refusal_hint_names_sglangs_way() -> None:
     from gramcoord.rank_worker.errors import SpecError
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
-    unenforced = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    unenforced = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     # The server's backend admits it (SGLang's own check and the end check run).
     validate_spec({"json": unenforced}, grammar_config())
     with pytest.raises(SpecError) as info:

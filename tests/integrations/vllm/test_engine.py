@@ -53,19 +53,53 @@ def test_outputs_token_identical_to_xgrammar(gramcoord_llm, xgrammar_outputs) ->
     assert engine_backend(gramcoord_llm).num_live == 0
 
 
-def test_refused_schema_is_a_validation_error_with_our_message(gramcoord_llm) -> None:
-    from vllm.exceptions import VLLMValidationError
+# The grammar emits exactly the enum value, and cannot enforce the calendar
+# of format "date": every output breaks the schema, which the end check
+# catches. Beside it, a `not` the grammar does not enforce, whose outputs
+# all hold.
+BREACHED = {"type": "string", "enum": ["2022-02-30"], "format": "date"}
+CHECKED = {"type": "string", "enum": ["ab", "abc"], "not": {"const": "x"}}
 
-    # vLLM accepts it, but xgrammar would not enforce the required "b".
-    ignored = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
-    with pytest.raises(VLLMValidationError, match="gramcoord refused") as info:
-        gramcoord_llm.generate([PROMPT], _params(ignored), use_tqdm=False)
-    assert "schema_unsupported_feature" in str(info.value)
-    # One vLLM itself refuses: vLLM's own message, not ours.
-    unsupported = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
-    with pytest.raises(VLLMValidationError, match="not supported by xgrammar"):
-        gramcoord_llm.generate([PROMPT], _params(unsupported), use_tqdm=False)
-    assert engine_backend(gramcoord_llm).num_live == 0
+
+def test_a_schema_enforced_in_part_is_served_and_its_breach_fails_with_its_code(
+    gramcoord_llm,
+) -> None:
+    held, broke = gramcoord_llm.generate(
+        [PROMPT] * 2, [_params(CHECKED), _params(BREACHED)], use_tqdm=False
+    )
+    assert held.outputs[0].finish_reason == "stop"
+    assert json.loads(held.outputs[0].text) in ("ab", "abc")
+    assert broke.outputs[0].finish_reason == "error"
+    assert broke.outputs[0].stop_reason == (
+        "gramcoord schema_breach: the output breaks the schema at $: '2022-02-30' is not a 'date'"
+    )
+    # Features vLLM's own xgrammar rules refuse are served too (end-checked).
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    (out,) = gramcoord_llm.generate([PROMPT], _params(unique), use_tqdm=False)
+    assert out.outputs[0].finish_reason in ("stop", "length", "error"), out.outputs[0]
+    backend = engine_backend(gramcoord_llm)
+    assert backend.num_live == 0 and not backend.breaches and not backend._checked
+
+
+def test_keywords_beside_a_combinator_are_served_enforced(gramcoord_llm) -> None:
+    # vLLM's tool_choice="required" shape: type beside anyOf, moved into
+    # every branch, so the grammar enforces it whole (no end check).
+    from gramcoord.integrations.vllm.options import front_end_config
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+
+    schema = {
+        "type": "object",
+        "anyOf": [
+            {"properties": {"name": {"enum": ["a"]}}, "required": ["name"]},
+            {"properties": {"name": {"enum": ["b"]}}, "required": ["name"]},
+        ],
+    }
+    spec = validate_spec({"json": schema}, front_end_config(False))
+    assert not spec.end_check and not spec.warnings
+    (out,) = gramcoord_llm.generate([PROMPT], _params(schema), use_tqdm=False)
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    if out.outputs[0].finish_reason == "stop":
+        assert json.loads(out.outputs[0].text) in ({"name": "a"}, {"name": "b"})
 
 
 def test_tokens_after_termination_run_to_max_tokens(gramcoord_llm) -> None:

@@ -12,9 +12,11 @@ vLLM loads the plugin through its ``vllm.general_plugins`` entry point.
 
 - the page's ``client`` block prints a reply that validates;
 - valid schemas finish and validate; 50 concurrent requests are all answered;
+- a schema the grammar enforces in part is served, and a breach the end
+  check catches is a 422 ``schema_breach``, streamed or not; keywords vLLM's
+  own rules refuse and keywords beside ``anyOf`` are served;
 - bad input through the HTTP API gets the status and message of the
-  page's failure table, and the server keeps serving: a refused schema,
-  an invalid one, a schema that is not an object, a bad regex, a grammar
+  page's failure table, and the server keeps serving: an invalid schema, a schema that is not an object, a bad regex, a grammar
   that does not parse, a compile error (400), a 200 KB schema past its
   deadline (422); ``{}`` is any JSON (200); the server log names the
   request and the code of each failure inside the engine;
@@ -46,7 +48,6 @@ import jsonschema
 import openai
 
 from gramcoord.benchmarks._vllm_serve import ServerProcess
-from gramcoord.integrations.vllm.options import UNENFORCED_HINT
 from tests.integrations.vllm.conftest import FAULT_BREAK, FAULT_HANG
 from tests.integrations.vllm.tiny_model import free_port
 from tests.load import scaled
@@ -91,9 +92,10 @@ SCHEMAS: dict[str, dict] = {
     },
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
 }
-# vLLM's xgrammar checks accept it; xgrammar would not enforce the required
-# name "b" (not among the properties), so gramcoord refuses it.
-REFUSED = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
+# The grammar emits exactly the enum value and cannot enforce the calendar of
+# format "date": every output breaks the schema, and the end check says so.
+BREACHED = {"type": "string", "enum": ["2022-02-30"], "format": "date"}
+BREACH = "gramcoord schema_breach: the output breaks the schema at $: '2022-02-30' is not a 'date'"
 
 
 def docs_blocks() -> dict[str, str]:
@@ -208,14 +210,40 @@ def test_valid_schemas_finish_and_validate(server: Server) -> None:
     assert {"flag", "color", "count"} <= set(finished), finished
 
 
-def test_refused_schema_is_a_400_whose_hint_holds_under_vllm(server: Server) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        _ask(server.client, "refused", REFUSED)
-    assert info.value.status_code == 400
-    message = info.value.body["message"]
-    assert "gramcoord refused the structured output request (schema_unsupported_feature)" in message
-    assert f"{UNENFORCED_HINT} (parameter=structured_outputs)" in message, message
+def test_a_breach_the_end_check_catches_is_a_422_schema_breach(server: Server) -> None:
+    error = _error(lambda: _ask(server.client, "breached", BREACHED))
+    assert error.status_code == 422, error.body
+    assert error.body["message"] == BREACH
+    # Streamed: the tokens before the last were sent; the stream ends with
+    # the error, never with a finish.
+    stream = _ask(server.client, "breached", BREACHED, stream=True)
+    with pytest.raises(openai.APIError, match="schema_breach"):
+        for chunk in stream:
+            assert not chunk.choices or chunk.choices[0].finish_reason is None
+    assert len(_failure_lines(server, "schema_breach")) == 2
     _still_serving(server)
+
+
+def test_keywords_xgrammar_would_ignore_are_served(server: Server) -> None:
+    # A `not` the grammar does not enforce (end-checked; every output holds),
+    # keywords beside anyOf (moved into its branches), and uniqueItems,
+    # which vLLM's own xgrammar rules refuse: all served.
+    cases = {
+        "not": {"type": "string", "enum": ["ab", "abc"], "not": {"const": "x"}},
+        "beside-anyof": {
+            "type": "object",
+            "anyOf": [
+                {"properties": {"n": {"enum": [1]}}, "required": ["n"]},
+                {"properties": {"n": {"enum": [2]}}, "required": ["n"]},
+            ],
+        },
+        "unique": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 1, "uniqueItems": True},
+    }
+    for name, schema in cases.items():
+        choice = _ask(server.client, name, schema).choices[0]
+        assert choice.finish_reason in ("stop", "length"), (name, choice)
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 def _structured(client: openai.OpenAI, **spec):

@@ -195,22 +195,23 @@ ISSUE_SHAPE = {
 }
 
 
-def test_issue_shape_is_rejected():
-    with pytest.raises(SpecError) as info:
-        validate_spec({"json": ISSUE_SHAPE}, GrammarConfig(reject_ignored_features=True))
-    assert info.value.code is ErrorCode.schema_unsupported_feature
-    assert "$.items.items: required 'foo' is not enforced" in info.value.message
-    assert "reject_ignored_features" in info.value.message
-
-
-def test_issue_shape_warns_when_ignored_features_are_accepted(compiler):
-    spec = validate_spec({"json": ISSUE_SHAPE}, GrammarConfig(reject_ignored_features=False))
-    (warning,) = spec.warnings
-    assert warning.startswith("ignored_feature") and "required 'foo'" in warning
-    # And the compiled grammar is what the issue saw: only empty objects.
+def test_issue_shape_is_enforced_whole(compiler):
+    # Compiled as written, xgrammar accepts only empty objects ([[{}], [{}]]):
+    # the lint of the schema as written names the dropped name...
+    assert unenforced_required(ISSUE_SHAPE) == [
+        (
+            "$.items.items",
+            "required 'foo' is not enforced (it is not listed in this object's properties)",
+        )
+    ]
+    # ...and validation lists foo in properties (schema_rewrite): enforced,
+    # no warning, and the grammar requires foo.
+    spec = validate_spec({"json": ISSUE_SHAPE}, GrammarConfig(reject_ignored_features=True))
+    assert not spec.warnings and not spec.end_check
     compiled = compiler.compile_json_schema(spec.text, strict_mode=spec.strict_mode)
-    matcher = xgr.GrammarMatcher(compiled)
-    assert matcher.accept_string("[[{}], [{}]]") and matcher.is_completed()
+    empty, foo = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)
+    assert not (empty.accept_string("[[{}], [{}]]") and empty.is_completed())
+    assert foo.accept_string('[[{"foo": 1}]]') and foo.is_completed()
 
 
 def test_property_names_are_strings_not_objects():
@@ -232,7 +233,14 @@ def test_supported_formats_are_enforced(compiler, fmt):
 
 # -- keywords xgrammar compiles and does not enforce ----------------------------------
 
-OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+# Open (additionalProperties true): the names present cannot be split into
+# anyOf branches, so dependentRequired stays unenforced (schema_rewrite
+# rewrites it over closed objects).
+OBJ_AB = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "additionalProperties": True,
+}
 
 # (schema, a text the keyword forbids, the message the lint gives)
 UNENFORCED = [

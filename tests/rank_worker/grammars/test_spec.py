@@ -119,8 +119,9 @@ IGNORED = [
     pytest.param({"type": "number", "multipleOf": 0.5}, "multipleOf", id="multipleOf-number"),
     pytest.param({"type": "array", "uniqueItems": True}, "uniqueItems", id="uniqueItems"),
     pytest.param({"type": "array", "contains": {"type": "integer"}}, "contains", id="contains"),
-    pytest.param({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", id="allOf-2"),
-    pytest.param({"type": "string", "format": "idn-email"}, "format", id="unknown-format"),
+    # Two patterns: no single object says both (rewrites conjoin the rest).
+    pytest.param({"allOf": [{"pattern": "a"}, {"pattern": "b"}]}, "allOf", id="allOf-2"),
+    pytest.param({"type": "string", "format": "date"}, "format", id="calendar-format"),
     pytest.param(
         {"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength", id="pattern+len"
     ),
@@ -133,7 +134,8 @@ IGNORED = [
         id="nested-path",
     ),
     pytest.param(
-        {"type": "object", "properties": {"bar": {}}, "required": ["foo"]},
+        # patternProperties may describe foo: it cannot be listed as any value.
+        {"type": "object", "patternProperties": {"^b": {}}, "required": ["foo"]},
         "required 'foo' is not enforced",
         id="required-not-in-properties",
     ),
@@ -162,6 +164,13 @@ def test_ignored_features_downgrade_to_warning(schema, needle):
         pytest.param({"type": "integer", "multipleOf": 3}, id="multipleOf-integer"),
         pytest.param({"type": "array", "uniqueItems": False}, id="uniqueItems-false"),
         pytest.param({"allOf": [{"type": "integer"}]}, id="allOf-1"),
+        # Rewritten into what xgrammar enforces whole (schema_rewrite).
+        pytest.param({"allOf": [{"type": "object"}, {"required": ["a"]}]}, id="allOf-2-merged"),
+        pytest.param({"type": "string", "format": "idn-email"}, id="annotation-format"),
+        pytest.param(
+            {"type": "object", "properties": {"bar": {}}, "required": ["foo"]},
+            id="required-listed",
+        ),
         pytest.param({"type": "string", "format": "uuid"}, id="supported-format"),
         pytest.param({"type": "string", "maxLength": 3}, id="plain-length"),
         pytest.param({"enum": [{"uniqueItems": True}]}, id="keyword-inside-data"),
