@@ -98,6 +98,10 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         "Remove these keywords, or set grammar.reject_ignored_features=false "
         "to accept them unenforced"
     )
+    # How a message names one of these options, on the host that prints it:
+    # the text before the field's name (the vLLM plugin's is
+    # "--additional-config gramcoord.grammar.").
+    options_at: str = "grammar."
     # Hard cap on the serialized spec, in bytes.
     max_spec_bytes: Annotated[int, Meta(ge=64)] = 1 << 20
     # Emit grammar-forced strings without a model step.
@@ -125,6 +129,10 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.compile_wall_timeout_s is None:
             return 10 * self.compile_timeout_s
         return self.compile_wall_timeout_s
+
+    def option(self, name: str) -> str:
+        """How a message names field ``name`` of this section (``options_at``)."""
+        return f"{self.options_at}{name}"
 
     @property
     def pool_size(self) -> int:

@@ -335,7 +335,11 @@ class GramcoordBackend(BaseGrammarBackend):
         if found.failed is not None:
             # The stored text is the failing rank's own; a group aborts with one text.
             failed = found.failed
-            why = failed.message if self.leader.group_size == 1 else "poisoned key: failed earlier"
+            why = (
+                failed.message
+                if self.leader.group_size == 1
+                else "cached verdict, no compile ran for this request: this grammar failed earlier"
+            )
             return InvalidGrammarObject(f"{failed.code}: {why}"), True
         if found.key is not None:
             self._origin.setdefault(found.key, key)

@@ -59,6 +59,7 @@ _WHY_NOT = {
     "enforce whole is served, and its finished output is checked against the schema "
     "(a breach fails with schema_breach)",
     "any_whitespace": "vLLM's --structured-outputs-config disable_any_whitespace sets it",
+    "options_at": "set by the vLLM plugin: messages name --additional-config fields",
     "compile_mode": "always async under vLLM (the agreement keeps TP ranks in step)",
 }
 
@@ -130,6 +131,7 @@ def grammar_config(disable_any_whitespace: bool, options: Any = None) -> Grammar
         "compile_mode": "async",
         "any_whitespace": not disable_any_whitespace,
         "reject_ignored_features": False,
+        "options_at": f"--additional-config {NAME_KEY}.grammar.",
     }
     return _convert({**options, **fixed}, GrammarConfig, where)
 

@@ -246,6 +246,10 @@ def _wrap_validation() -> None:
         ours.validating = True
         try:
             original(self, model_config, as_xgrammar, tokenizer)  # vLLM's own rules first
+        except VLLMValidationError as exc:
+            raise VLLMValidationError(
+                _for_the_client(exc), parameter=exc.parameter, value=exc.value
+            ) from exc
         finally:
             ours.validating = False
         spec = {
@@ -265,6 +269,23 @@ def _wrap_validation() -> None:
         so._backend_was_auto = False
 
     SamplingParams._validate_structured_outputs = validate
+
+
+def _for_the_client(exc: Exception) -> str:
+    """vLLM's refusal in words for the client: xgrammar's own text (with its
+    position: ``Regex parsing error at position 4``, ``EBNF parser error at
+    line 1, column 11``) instead of vLLM's bare "Invalid grammar
+    specification.", without the log time and C++ source path xgrammar
+    prefixes it with."""
+    from gramcoord.rank_worker.errors import clean_native_message
+
+    text = clean_native_message(str(exc))
+    cause = exc.__cause__
+    if cause is not None:
+        detail = clean_native_message(str(cause))
+        if detail and detail not in text:
+            text = f"{text.rstrip('.')}: {detail}"
+    return text
 
 
 def agreement_group(vllm_config: Any) -> Any | None:

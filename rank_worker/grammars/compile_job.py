@@ -155,13 +155,19 @@ class CompileJob:
         return self._exact_own_s + max(0.0, times.cpu_s - self._exact_cpu_s)
 
     def overrun(
-        self, now: float, timeout_s: float, wall_timeout_s: float, read: ThreadReader
+        self,
+        now: float,
+        timeout_s: float,
+        wall_timeout_s: float,
+        read: ThreadReader,
+        names: tuple[str, str] = ("grammar.compile_timeout_s", "grammar.compile_wall_timeout_s"),
     ) -> str | None:
         """Why this job is past its deadline at ``now``, or None if it is not.
 
         The thread is read only once the wall clock alone has passed
         ``timeout_s`` (the common case costs nothing).
-        ``wall_timeout_s`` bounds the wall clock itself.
+        ``wall_timeout_s`` bounds the wall clock itself. ``names`` are how
+        the two options are named on this host.
         """
         wall = now - (self.started_at if self.started_at is not None else now)
         if wall <= timeout_s:
@@ -169,12 +175,12 @@ class CompileJob:
         own = self.own_time(wall, read(self.tid))
         if own > timeout_s:
             return (
-                f"compile ran past grammar.compile_timeout_s={timeout_s:g}s "
+                f"compile ran past {names[0]}={timeout_s:g}s "
                 "(its own time: waits for a CPU are not counted)"
             )
         if wall > wall_timeout_s:
             return (
-                f"compile ran past grammar.compile_wall_timeout_s={wall_timeout_s:g}s "
+                f"compile ran past {names[1]}={wall_timeout_s:g}s "
                 f"of wall time ({own:.1f}s its own, the rest waiting for a CPU)"
             )
         return None

@@ -171,6 +171,7 @@ class CompileService:
         self.sync = config.compile_mode == "sync"
         self.timeout_s = config.compile_timeout_s
         self.wall_timeout_s = config.wall_timeout_s
+        self._names = (config.option("compile_timeout_s"), config.option("compile_wall_timeout_s"))
         if thread_times is None:
             thread_times = read_thread_times if clock is time.monotonic else no_reading
         self._thread_times = thread_times
@@ -276,7 +277,9 @@ class CompileService:
     # -- deadlines --------------------------------------------------------
 
     def _overrun(self, job: CompileJob, now: float) -> str | None:
-        return job.overrun(now, self.timeout_s, self.wall_timeout_s, self._thread_times)
+        return job.overrun(
+            now, self.timeout_s, self.wall_timeout_s, self._thread_times, self._names
+        )
 
     def num_stuck(self) -> int:
         """Compiles still running past their deadline (each holds a worker)."""

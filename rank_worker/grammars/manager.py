@@ -173,7 +173,24 @@ class GrammarManager:
         self.stats.poisoned += 1
         entry.cache = "poisoned"
         code = ErrorCode.name_of(hit.reason)
-        return entry.outcome("failed", code=code, message=f"poisoned key: {hit.message}")
+        return entry.outcome("failed", code=code, message=self._cached_verdict(hit))
+
+    def _cached_verdict(self, hit: Any) -> str:
+        """A poisoned key's failure, said as what it is: a verdict kept from an
+        earlier compile of the same grammar, and when a retry can pass."""
+        cfg = self.config
+        if hit.expires_ms:
+            left_s = max(0.0, (hit.expires_ms - self.caches.agreed_ms) / 1e3)
+            when = (
+                f"a retry compiles it again in about {left_s:.0f}s "
+                f"({cfg.option('poison_ttl_s')}={cfg.poison_ttl_s:g}s after the failure)"
+            )
+        else:
+            when = "this grammar never compiles, so a retry fails the same"
+        return (
+            f"cached verdict, no compile ran for this request: an earlier compile of "
+            f"this grammar failed: {hit.message}; {when}"
+        )
 
     def _enter_window(self, entry: Entry) -> None:
         compiled = self.caches.compiled.get(entry.spec.key)
@@ -311,11 +328,12 @@ class GrammarManager:
                 logger.warning("request %s failed here: %s", entry.request_id, job.error[1])
             self.service.release(job)
         hit = self.caches.poisoned(entry.spec.key)
+        kept = message
         if hit is not None and hit.reason == reason:
-            message = f"poisoned key: {hit.message}"
+            kept, message = hit.message, self._cached_verdict(hit)
         # The rank that decided shares the key; a follower's decider does.
         share = self.follow_wait_s is None
-        self.caches.record_failure(entry.spec.key, reason, message, share=share)
+        self.caches.record_failure(entry.spec.key, reason, kept, share=share)
         self._seq_of.pop(entry.request_id, None)
         self.stats.failed += 1
         return entry.outcome("failed", code=code, message=message)

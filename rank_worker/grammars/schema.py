@@ -1,7 +1,7 @@
 """One JSON Schema from its parsed value to the text that is compiled, and the verdict on it.
 
 ``spec.admit`` calls ``schema_text`` for a ``json`` spec (and
-``tag_warnings`` for the schemas a structural tag embeds), after parsing
+``tag_schemas`` for the schemas a structural tag embeds), after parsing
 and sizing the request's value. The passes run forward, each once:
 
 1. **canonical** (``schema_tree.canonical_tree``): the sorted copy, the
@@ -122,13 +122,18 @@ def enforced_tree(schema: dict, strict_mode: bool) -> SchemaTree:
     return tree
 
 
-def tag_warnings(tag: dict) -> list[str]:
-    """Warnings for the JSON schemas a structural tag embeds (compiled as written, strict).
+def tag_schemas(tag: dict) -> tuple[dict, list[str]]:
+    """A structural tag with each JSON schema it embeds rewritten as a ``json``
+    spec's is (strict, as xgrammar compiles them), and the warnings on them.
+
+    The tag's own key order is kept. What no rewrite reaches is named in an
+    ``ignored_feature`` warning; a structural tag's output is not checked at
+    the end (its text interleaves tags and free text).
 
     Raises
     ------
     SpecError
-        The tag nests too deeply.
+        The tag, or a schema in it, nests too deeply.
     """
     depth = canonical_tree(tag, max_depth=MAX_DEPTH_STRUCTURAL_TAG, sort=False).max_depth
     if depth > MAX_DEPTH_STRUCTURAL_TAG:
@@ -137,11 +142,33 @@ def tag_warnings(tag: dict) -> list[str]:
             f"structural_tag nests {depth} levels; the limit is {MAX_DEPTH_STRUCTURAL_TAG}",
         )
     inexact: list[str] = []
-    for where, schema in _tag_schemas(tag):
-        tree = canonical_tree(schema, max_depth=MAX_DEPTH_STRUCTURAL_TAG, sort=False)
-        found = walk(tree, strict_mode=True, lint=False)
+    ignored: list[str] = []
+
+    def enforced(schema: Any, where: str) -> Any:
+        if not isinstance(schema, dict):
+            return schema
+        tree = enforced_tree(schema, strict_mode=True)
+        found = walk(tree, strict_mode=True)
         inexact.extend(where + p[1:] for p in found.inexact_one_ofs)
-    return [_one_of_warning(inexact)] if inexact else []
+        ignored.extend(f"{where}{p[1:]}: {m}" for p, m in found.ignored + found.dropped_required)
+        return tree.root
+
+    def visit(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            if node.get("type") in _TAG_SCHEMA_TYPES and "json_schema" in node:
+                where = f"{path}.json_schema"
+                return {k: enforced(v, where) if k == "json_schema" else v for k, v in node.items()}
+            return {k: visit(v, f"{path}.{k}") for k, v in node.items()}
+        if isinstance(node, list):
+            return [visit(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        return node
+
+    out = visit(tag, "$")
+    warnings = [_one_of_warning(inexact)] if inexact else []
+    if ignored:
+        more = f" (+{len(ignored) - 5} more)" if len(ignored) > 5 else ""
+        warnings.append(f"{WarningCode.ignored_feature}: {'; '.join(ignored[:5])}{more}")
+    return out, warnings
 
 
 def _one_of_warning(paths: list[str]) -> str:
@@ -153,17 +180,4 @@ def _one_of_warning(paths: list[str]) -> str:
     )
 
 
-def _tag_schemas(tag: Any) -> list[tuple[str, Any]]:
-    """(path, schema) of the JSON schemas a structural tag embeds, in order."""
-    found: list[tuple[str, Any]] = []
-    stack: list[tuple[Any, str]] = [(tag, "$")]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, dict):
-            if node.get("type") in ("json_schema", "qwen_xml_parameter") and "json_schema" in node:
-                found.append((f"{path}.json_schema", node["json_schema"]))
-                continue
-            stack.extend((v, f"{path}.{k}") for k, v in reversed(node.items()))
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(node))))
-    return found
+_TAG_SCHEMA_TYPES = ("json_schema", "qwen_xml_parameter")

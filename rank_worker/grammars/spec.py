@@ -30,7 +30,7 @@ from gramcoord.rank_worker.grammars.schema import (
     MAX_VALUES,
     canonical_json,
     schema_text,
-    tag_warnings,
+    tag_schemas,
 )
 from gramcoord.rank_worker.grammars.schema_tree import SchemaTree
 from gramcoord.rank_worker.grammars.shortest import unreachable_end
@@ -223,8 +223,8 @@ def _kind_and_text(
         tag = _load_json_value(spec.structural_tag, "structural_tag", config)
         if not isinstance(tag, dict) or not tag:
             raise SpecError(ErrorCode.spec_blank, "structural_tag must be a non-empty JSON object")
-        # Embedded schemas compile in strict mode.
-        warnings = tag_warnings(tag)
+        # Embedded schemas compile in strict mode, rewritten as json specs are.
+        tag, warnings = tag_schemas(tag)
         # NOTE: key order is kept, not sorted: a structural tag embeds JSON
         # schemas whose `properties` order is the order xgrammar emits.
         text = canonical_json(tag)

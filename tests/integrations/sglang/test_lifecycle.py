@@ -84,7 +84,7 @@ def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
     assert backend.leader.num_live == 0
     again = Req("t1", schema)
     assert not manager.process_req_with_grammar(again)  # refused at once: poisoned
-    assert "grammar_timeout: poisoned key" in again.finished_reason
+    assert "grammar_timeout: cached verdict" in again.finished_reason
     (entry,) = backend.leader._manager.caches.poison._items.values()
     assert entry.expires_ms > 0  # a TTL, not for ever
 

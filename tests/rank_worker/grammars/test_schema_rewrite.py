@@ -269,3 +269,24 @@ def test_every_rewrite_keeps_jsonschemas_verdict_on_the_dev_instances(dev_schema
             assert after.is_valid(inst["data"]) == verdict, (rec["id"], r.notes, inst)
             checked += 1
     assert checked > 0
+
+
+def test_a_structural_tags_schemas_are_rewritten_as_json_specs_are():
+    # vLLM's tool-calling path: the tools' schemas inside a structural tag.
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<tool_call>",
+            "content": {"type": "json_schema", "json_schema": TOOLS["items"]},
+            "end": "</tool_call>",
+        },
+    }
+    spec = validate_spec({"structural_tag": tag}, STRICT)
+    embedded = json.loads(spec.text)["format"]["content"]["json_schema"]
+    assert list(embedded) == ["anyOf"] and not spec.warnings
+    assert list(json.loads(spec.text)) == ["type", "format"]  # the tag's own order kept
+    unique = {"type": "array", "uniqueItems": True}
+    tag["format"]["content"]["json_schema"] = unique
+    (warning,) = validate_spec({"structural_tag": tag}, STRICT).warnings
+    assert warning == "ignored_feature: $.format.content.json_schema: uniqueItems is not enforced"

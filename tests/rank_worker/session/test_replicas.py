@@ -17,6 +17,10 @@ def test_a_key_poisoned_on_one_replica_fails_at_once_on_another_with_its_message
     # Rank 1 never compiled the spec: the key came poisoned, with rank 0's
     # message (the compiler's own words), though its manager came late.
     assert r1["compiles"] == 0
-    assert r1["again"] == ("failed", "grammar_invalid", "poisoned", f"poisoned key: {message}")
+    cached = (
+        "cached verdict, no compile ran for this request: an earlier compile of this "
+        f"grammar failed: {message}; this grammar never compiles, so a retry fails the same"
+    )
+    assert r1["again"] == ("failed", "grammar_invalid", "poisoned", cached)
     assert r0["again"] == r1["again"]
     assert r0["received"] == r1["received"] == 1
