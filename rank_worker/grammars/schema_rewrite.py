@@ -62,7 +62,7 @@ from gramcoord.rank_worker.grammars.schema_lint import (
     SUPPORTED_FORMATS,
     VALUE_KEYWORDS,
 )
-from gramcoord.rank_worker.grammars.schema_tree import MISSING, SchemaTree
+from gramcoord.rank_worker.grammars.schema_tree import MISSING, ONE_SCHEMA, SchemaTree
 
 # Keyword groups whose members read each other: a group may come from one
 # side of a conjunction only (or be equal on both).
@@ -206,7 +206,7 @@ class _Rewriter:
                         self.node(s, f"{p}[{i}]", depth + 2, key_schema=False)
                         for i, s in enumerate(child)
                     ]
-            elif key in _ONE_SCHEMA and isinstance(child, dict):
+            elif key in ONE_SCHEMA and isinstance(child, dict):
                 out[key] = self.node(child, p, depth + 1, key_schema=key == "propertyNames")
         return out
 
@@ -378,16 +378,9 @@ class _Rewriter:
             return None
         base = {k: v for k, v in node.items() if k != key}
         base["type"] = "object"
-        need = set(required)
         # Triggers that are required pull their names in; triggers that can
         # never be present constrain nothing.
-        changed = True
-        while changed:
-            changed = False
-            for trigger, names in deps.items():
-                if trigger in need and not set(names) <= need:
-                    need |= set(names)
-                    changed = True
+        need = _closure(set(required), deps)
         triggers = [t for t in deps if t in props and t not in need and deps[t]]
         if len(triggers) > _MAX_TRIGGERS:
             return None
@@ -395,14 +388,7 @@ class _Rewriter:
         for present in itertools.product((False, True), repeat=len(triggers)):
             on = {t for t, p in zip(triggers, present, strict=True) if p}
             off = set(triggers) - on
-            names = set(need) | on
-            grown = True
-            while grown:
-                grown = False
-                for trigger, more in deps.items():
-                    if trigger in names and not set(more) <= names:
-                        names |= set(more)
-                        grown = True
+            names = _closure(need | on, deps)
             if names & off or not names <= set(props):
                 continue  # a name required that cannot be present: nothing matches
             arm = dict(base)
@@ -445,21 +431,19 @@ class _Rewriter:
 # Keywords whose value maps names to schemas (definitions are rewritten in
 # place: a pointer to one reaches the rewritten, equivalent object).
 _MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", "$defs", "definitions"})
-_ONE_SCHEMA = frozenset(
-    {
-        "additionalProperties",
-        "additionalItems",
-        "contains",
-        "propertyNames",
-        "not",
-        "if",
-        "then",
-        "else",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "items",
-    }
-)
+
+
+def _closure(names: set[str], deps: dict[str, list[str]]) -> set[str]:
+    """``names`` with every name a present trigger requires, until none adds one."""
+    names = set(names)
+    grown = True
+    while grown:
+        grown = False
+        for trigger, more in deps.items():
+            if trigger in names and not set(more) <= names:
+                names |= set(more)
+                grown = True
+    return names
 
 
 def conjoin(a: dict, b: dict, *, old_draft: bool = False) -> Any:

@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import unquote
 
 # Keywords whose value is one schema, a list of schemas, or a map of them.
-_ONE = frozenset(
+ONE_SCHEMA = frozenset(
     {
         "additionalProperties",
         "additionalItems",
@@ -144,7 +144,7 @@ def _push_children(
         new[key] = items
         for i, s in enumerate(child):
             stack.append((s, True, depth + 2, f"{cpath}[{i}]", _setter(items, i), mine, None))
-    elif key in _ONE and isinstance(child, dict):
+    elif key in ONE_SCHEMA and isinstance(child, dict):
         stack.append((child, True, depth + 1, cpath, _setter(new, key), mine, key))
     elif key == "dependencies" and isinstance(child, dict):
         sub = dict.fromkeys(child)

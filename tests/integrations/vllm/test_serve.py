@@ -12,6 +12,8 @@ vLLM loads the plugin through its ``vllm.general_plugins`` entry point.
 
 - the page's ``client`` block prints a reply that validates;
 - valid schemas finish and validate; 50 concurrent requests are all answered;
+- tool calling with ``tool_choice`` required, named and auto (strict tools),
+  on BFCL tools, whole and streamed: served, finished arguments validate;
 - a schema the grammar enforces in part is served, and a breach the end
   check catches is a 422 ``schema_breach``, streamed or not; keywords vLLM's
   own rules refuse and keywords beside ``anyOf`` are served;
@@ -367,3 +369,63 @@ def test_a_bad_additional_config_stops_the_server_at_start(scratch: Path) -> Non
         "--additional-config gramcoord.grammar.compile_timeout_s: Expected `float`, got `str`"
         in proc.log.read_text()
     ), proc.tail()
+
+
+def _bfcl_tools(n: int) -> list[dict]:
+    """``n`` OpenAI tools from the dev data's BFCL records (``{name: parameters}``)."""
+    from tests.dev_data import records
+
+    tools = []
+    for rec in records():
+        if rec.get("source") == "bfcl":
+            for name, params in rec["schema"].get("properties", {}).items():
+                tools.append({"type": "function", "function": {"name": name, "parameters": params}})
+    return tools[:n]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_calls_required_named_and_auto_are_served(server: Server, stream: bool) -> None:
+    """vLLM builds each of these constraints itself (a structural tag for the
+    hermes format, or its wrapper JSON schema): every one is served, and a
+    finished call's arguments parse and validate against the tool's
+    parameters."""
+    tools = _bfcl_tools(3)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in tools]
+    named = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+    for what, choice, offered in [
+        ("required", "required", tools),
+        ("named", named, tools),
+        ("auto, strict tools", "auto", strict),
+    ]:
+        kw = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Use a tool."}],
+            tools=offered,
+            tool_choice=choice,
+            max_tokens=96,
+            temperature=0,
+        )
+        if not stream:
+            choice_out = server.client.chat.completions.create(**kw).choices[0]
+            finish, calls = choice_out.finish_reason, choice_out.message.tool_calls or []
+            arguments = [(c.function.name, c.function.arguments) for c in calls]
+        else:
+            finish, pieces = None, {}
+            for chunk in server.client.chat.completions.create(**kw, stream=True):
+                for c in chunk.choices:
+                    finish = c.finish_reason or finish
+                    for call in c.delta.tool_calls or []:
+                        name, text = pieces.get(call.index, ("", ""))
+                        fn = call.function
+                        pieces[call.index] = (
+                            name + ((fn.name or "") if fn else ""),
+                            text + ((fn.arguments or "") if fn else ""),
+                        )
+            arguments = list(pieces.values())
+        assert finish in ("stop", "length", "tool_calls"), (what, finish)
+        if finish == "length":
+            continue  # cut short: the arguments may be incomplete
+        for name, text in arguments:
+            jsonschema.validate(json.loads(text), params[name])
+    _still_serving(server)
