@@ -13,7 +13,8 @@ vLLM loads the plugin through its ``vllm.general_plugins`` entry point.
 - the page's ``client`` block prints a reply that validates;
 - valid schemas finish and validate; 50 concurrent requests are all answered;
 - tool calling with ``tool_choice`` required, named and auto (strict tools),
-  on BFCL tools, whole and streamed: served, finished arguments validate;
+  on BFCL tools, whole and streamed, and a named function through the
+  Responses API: served, finished arguments validate;
 - a schema the grammar enforces in part is served, and a breach the end
   check catches is a 422 ``schema_breach``, streamed or not; keywords vLLM's
   own rules refuse and keywords beside ``anyOf`` are served;
@@ -459,3 +460,23 @@ def test_dev_schemas_xgrammar_compiles_are_served_through_response_format(
         if choice.finish_reason == "stop":
             # As the engine's end check validates: nothing outside the schema fetched.
             assert end_check(json.dumps(rec["schema"]), choice.message.content) is None, rec["id"]
+
+
+def test_a_named_tool_choice_through_the_responses_api_is_served(server: Server) -> None:
+    """The Responses API's forced function: vLLM builds its constraint from the
+    tool's parameters; served, and a finished call's arguments validate."""
+    (tool,) = _bfcl_tools(1)
+    fn = tool["function"]
+    reply = server.client.responses.create(
+        model=MODEL,
+        input="Use the tool.",
+        tools=[{"type": "function", "name": fn["name"], "parameters": fn["parameters"]}],
+        tool_choice={"type": "function", "name": fn["name"]},
+        max_output_tokens=96,
+        temperature=0,
+    )
+    calls = [item for item in reply.output if item.type == "function_call"]
+    if reply.status == "completed":
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), fn["parameters"])
+    _still_serving(server)
