@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tests import dev_data
+from tests.load import scaled
 
 SCHEMA_IDS = (
     "Github_trivial/o32735",
@@ -158,8 +159,11 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
     out["fail"] = drive(m, reqs)
     m.grammar_backend.close()
 
-    # A short timeout: SGLang's own all_gather waits on it once the queues differ.
-    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5))
+    # A short timeout: SGLang's own all_gather waits on it once the queues
+    # differ. Five seconds on a quiet machine, as long as that takes now: the
+    # exchanges before the divergence must not time out on a busy one (a
+    # loaded run saw gloo's 5 s send timeout before the first agreement).
+    short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=scaled(5)))
     m = manager(short)
     mine = [Req("c0", s[0]), Req("c1", s[1])] if rank == 0 else [Req("c1", s[1])]
     t0 = time.monotonic()
