@@ -254,7 +254,7 @@ class _Rewriter:
         if not isinstance(target, dict) or _has_own_base(target):
             return None
         target = {k: v for k, v in target.items() if k in CONSTRAINTS}
-        merged = conjoin(siblings, target, old_draft=self.old_draft)
+        merged = conjoin(target, siblings, old_draft=self.old_draft)
         if merged is None or merged is _EMPTY or not self.spend_copies(target, 1):
             return None
         self.notes.append((path, f"$ref {ref} conjoined with the keywords beside it"))
@@ -319,7 +319,7 @@ class _Rewriter:
             for t, keys in _TYPE_KEYWORDS.items()
         }
         typed = set().union(*(set(v) for v in by_type.values()))
-        if set(constraints) - typed:
+        if set(constraints) - typed or _false_inside(constraints):
             return None  # not, if/then/else, ...: left to the lint
         if any(_past_int64(v) for v in by_type["number"].values()):
             return None  # xgrammar's numeric bounds stop at int64: leave it to the lint
@@ -370,6 +370,8 @@ class _Rewriter:
         extra = node.get("additionalProperties", MISSING)
         closed = extra is False or (extra is MISSING and self.strict_mode)
         if "unevaluatedProperties" in node or not isinstance(props, dict) or not closed:
+            return None
+        if _false_inside(node):
             return None
         required = node.get("required", [])
         if not isinstance(required, list) or not all(
@@ -433,6 +435,19 @@ class _Rewriter:
 _MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", "$defs", "definitions"})
 
 
+def _false_inside(node: dict) -> bool:
+    """Whether ``node`` names a ``false`` subschema in a map or list of
+    schemas (xgrammar: "Schema 'false' cannot accept any value")."""
+    for key in ("properties", "patternProperties", "dependentSchemas"):
+        value = node.get(key)
+        if isinstance(value, dict) and any(v is False for v in value.values()):
+            return True
+    return any(
+        isinstance(node.get(k), list) and any(v is False for v in node[k])
+        for k in ("anyOf", "oneOf", "allOf", "prefixItems")
+    )
+
+
 def _closure(names: set[str], deps: dict[str, list[str]]) -> set[str]:
     """``names`` with every name a present trigger requires, until none adds one."""
     names = set(names)
@@ -448,7 +463,8 @@ def _closure(names: set[str], deps: dict[str, list[str]]) -> set[str]:
 
 def conjoin(a: dict, b: dict, *, old_draft: bool = False) -> Any:
     """One object that means ``a and b``, ``_EMPTY`` if nothing can satisfy
-    both, or None when no single object says it exactly.
+    both, or None when no single object says it exactly (or only with a
+    ``false`` subschema, which xgrammar refuses to compile).
 
     Under ``old_draft`` (draft 4 to 7) a ``$ref`` hides its siblings, so a
     side with a ``$ref`` conjoins with nothing but annotations."""
@@ -459,6 +475,8 @@ def conjoin(a: dict, b: dict, *, old_draft: bool = False) -> Any:
         in_b = {k: b[k] for k in group if k in b}
         if in_a and in_b and in_a != in_b and not _open_merge(in_a, in_b, group):
             return None
+    if _false_inside(a) or _false_inside(b):
+        return None
     out = dict(b)
     for key, value in a.items():
         if key not in out:
@@ -494,8 +512,9 @@ def _meet(key: str, a: Any, b: Any, old_draft: bool) -> Any:
     if key == "const":
         return _EMPTY if not _same(a, b) else a
     if key == "properties" and isinstance(a, dict) and isinstance(b, dict):
-        out = dict(b)
-        for name, sub in a.items():
+        # xgrammar emits properties in map order: the first side's come first.
+        out = dict(a)
+        for name, sub in b.items():
             if name not in out or out[name] == sub:
                 out[name] = sub
                 continue
@@ -505,7 +524,7 @@ def _meet(key: str, a: Any, b: Any, old_draft: bool) -> Any:
                 continue
             if not (isinstance(x, dict) and isinstance(y, dict)):
                 return None
-            met = conjoin(y, x, old_draft=old_draft)
+            met = conjoin(x, y, old_draft=old_draft)
             if met is None or met is _EMPTY:
                 return None  # an absent-only property has no exact object form
             out[name] = met
