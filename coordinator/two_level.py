@@ -23,7 +23,7 @@ Failures: each round is one runtime call with its own deadline, so every
 survivor still raises ``PeerLostError`` within the step timeout. Only the
 lost rank's host-mates name it, though: elsewhere the loss shows as its
 host's leader (or the own host's leader) leaving, and the roll call names
-that leader or no one (``tests/coordinator/test_levels.py``).
+that leader or no one (``tests/coordinator/test_two_level.py``).
 """
 
 from __future__ import annotations
