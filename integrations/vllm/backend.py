@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar as xgr
@@ -31,7 +31,6 @@ from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, Xgrammar
 
 from gramcoord.integrations.vllm.options import front_end_config, grammar_config, parse
 from gramcoord.integrations.vllm.replicas import replica_poison
-from gramcoord.integrations.vllm.tp_digest import MaskDigests
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
@@ -43,6 +42,10 @@ from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
 from gramcoord.rank_worker.session.futures import GrammarFutures
 from gramcoord.rank_worker.session.leader import StageLeader
+
+if TYPE_CHECKING:
+    # Built only over a TP group (``group`` set).
+    from gramcoord.integrations.vllm.tp_digest import MaskDigests
 
 __all__ = [
     "COMPILE_THREADS",
@@ -191,6 +194,8 @@ class GramcoordBackend(StructuredOutputBackend):
             poison.attach(self.leader)
         self.digests: MaskDigests | None = None
         if self.group is not None:
+            from gramcoord.integrations.vllm.tp_digest import MaskDigests
+
             self.digests = MaskDigests(self.group, distributed, self._max_rows(), faults)
         self._stops: dict[str, set[int] | None] = {}
         # End-checked grammars by request, and the breaches of those freed

@@ -11,8 +11,10 @@ signature).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import threading
 import typing
@@ -257,6 +259,12 @@ def _wrap_validation() -> None:
             for f in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
             if getattr(so, f) is not None
         }
+        if "json" in spec and not isinstance(spec["json"], str):
+            # The text the engine core compiles (vLLM's structured-output key
+            # dumps an object schema): one verdict per text in each process.
+            # What cannot be dumped is left for validation to refuse.
+            with contextlib.suppress(TypeError, ValueError, RecursionError):
+                spec["json"] = json.dumps(spec["json"])
         config = front_end_config(bool(structured_outputs_config.disable_any_whitespace))
         try:
             validate_spec(spec, config)

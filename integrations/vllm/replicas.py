@@ -28,10 +28,13 @@ per-step collective between them; they share nothing (``docs/vllm.md``).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gramcoord.integrations.vllm.options import parse
-from gramcoord.rank_worker.session.replicas import ReplicaPoison
+
+if TYPE_CHECKING:
+    # Loaded only where replicas share poison (``shares_poison``).
+    from gramcoord.rank_worker.session.replicas import ReplicaPoison
 
 __all__ = ["replica_poison", "reset", "shares_poison", "sync_replicas"]
 
@@ -58,6 +61,8 @@ def replica_poison(vllm_config: Any) -> ReplicaPoison | None:
     global _poison
     if _poison is None and shares_poison(vllm_config):
         from vllm.distributed.parallel_state import get_dp_group
+
+        from gramcoord.rank_worker.session.replicas import ReplicaPoison
 
         distributed = parse((vllm_config.additional_config or {}).get("gramcoord")).distributed
         if vllm_config.parallel_config.tensor_parallel_size > 1:

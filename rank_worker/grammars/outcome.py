@@ -18,9 +18,14 @@ import msgspec
 
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
-from gramcoord.sync.messages import MAX_REQUEST_ID_CHARS
 
 CacheStatus = Literal["miss", "hit", "joined", "poisoned", "none"]
+
+# Longest request id admission takes. The transport's wire bound
+# (``sync.messages.MAX_REQUEST_ID_CHARS``) is the same number, so that one
+# admitted id can never break a whole batch's publish; the transport is not
+# imported here, so a host that never moves masks does not load it.
+MAX_REQUEST_ID_CHARS = 1024
 
 
 class Outcome(msgspec.Struct, kw_only=True):

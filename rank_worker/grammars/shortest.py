@@ -43,15 +43,13 @@ def regex_min_chars(pattern: str) -> int:
     return int(min(low, _INF))
 
 
-def unreachable_end(
-    kind: str, text: str, tree: SchemaTree | None, max_tokens: int, max_token_bytes: int
-) -> str | None:
-    """Why no output of the grammar fits in ``max_tokens`` tokens, or ``None`` when one may.
+def unreachable_end(min_bytes: int, max_tokens: int, max_token_bytes: int) -> str | None:
+    """Why no output of at least ``min_bytes`` bytes fits in ``max_tokens`` tokens, or ``None``.
 
-    ``tree`` is the canonical tree of a ``json`` spec (``None`` for the
-    other kinds); ``max_token_bytes`` is the vocabulary's longest token.
+    ``min_bytes`` is the grammar's ``min_output_bytes``; ``max_token_bytes``
+    is the vocabulary's longest token.
     """
-    need = min_tokens(min_output_bytes(kind, text, tree), max_token_bytes)
+    need = min_tokens(min_bytes, max_token_bytes)
     if need <= max_tokens:
         return None
     return (

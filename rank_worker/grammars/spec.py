@@ -10,14 +10,24 @@ hosts that only validate call ``validate_spec``. Every rejection is a
 ``SpecError`` with a stable code; nothing here raises anything else for
 bad input.
 
+The passes up to the key run once per spec text per process: a spec given
+as text (every host's request path) is remembered with its verdict
+(``_Verdicts``), so a cache hit, and the second validation of a request
+that vLLM validates in its front end and again in its engine core, cost a
+lookup.
+
 The key is a blake2b-128 digest of ``kind``, the canonical text, the compile
 options and the vocabulary name. It is the same on every rank and every run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -33,7 +43,7 @@ from gramcoord.rank_worker.grammars.schema import (
     tag_schemas,
 )
 from gramcoord.rank_worker.grammars.schema_tree import SchemaTree
-from gramcoord.rank_worker.grammars.shortest import unreachable_end
+from gramcoord.rank_worker.grammars.shortest import min_output_bytes, unreachable_end
 
 GrammarKind = Literal["json", "regex", "choice", "ebnf", "lark", "json_object", "structural_tag"]
 _KIND_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -277,6 +287,138 @@ def grammar_key(kind: str, text: str, any_whitespace: bool, strict_mode: bool, v
     return h.digest()
 
 
+class _Held:
+    """A remembered verdict: the admitted text, or a refusal's code and message."""
+
+    __slots__ = ("made", "min_bytes", "refused", "size")
+
+    def __init__(self, made: _Text | None, refused: tuple[ErrorCode, str] | None, size: int):
+        self.made = made
+        self.refused = refused
+        # The bound's lower bound on output bytes, once a budget asked for it.
+        self.min_bytes: int | None = None
+        self.size = size
+
+
+class _Verdicts:
+    """The verdicts of the specs this process validated, by spec text; bounded LRU.
+
+    Only a spec whose every field is text, a flag or a list of strings is
+    remembered: its fields are the key, exactly (an object-valued schema
+    could compare equal to another that validates differently, e.g.
+    ``{1: ...}`` and ``{"1": ...}``, so it is validated each time). The
+    grammar config and the strictness are part of the key; the verdict is a
+    function of them. Bounded by the characters of spec text held
+    (``MAX_CHARS``), oldest first out.
+    """
+
+    MAX_CHARS = 8 << 20
+    # A spec larger than this share of the bound is never held.
+    MAX_SHARE = 8
+
+    def __init__(self) -> None:
+        self._held: OrderedDict[tuple, _Held] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(spec: StructuredOutputSpec, config: GrammarConfig, strict: bool) -> tuple | None:
+        values = []
+        for name in spec.__struct_fields__:
+            value = getattr(spec, name)
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                value = tuple(value)  # a choice
+            elif not (value is None or isinstance(value, str | bool)):
+                return None
+            values.append(value)
+        return (tuple(values), strict, config)
+
+    def get(self, key: tuple) -> _Held | None:
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None:
+                self._held.move_to_end(key)
+            return held
+
+    def put(self, key: tuple, held: _Held) -> None:
+        if held.size > self.MAX_CHARS // self.MAX_SHARE:
+            return
+        with self._lock:
+            if key in self._held:
+                return
+            self._held[key] = held
+            self._chars += held.size
+            while self._chars > self.MAX_CHARS:
+                _, old = self._held.popitem(last=False)
+                self._chars -= old.size
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._chars = 0
+
+
+_verdicts = _Verdicts()
+
+
+def _spec_size(spec: StructuredOutputSpec) -> int:
+    """Characters of the spec's text fields (what holding its verdict costs, roughly)."""
+    size = 0
+    for name in spec.__struct_fields__:
+        value = getattr(spec, name)
+        if isinstance(value, str):
+            size += len(value)
+        elif isinstance(value, list):
+            size += sum(len(v) for v in value if isinstance(v, str))
+    return size
+
+
+def _validated_text(
+    spec: StructuredOutputSpec, config: GrammarConfig, strict: bool
+) -> tuple[_Text, _Held | None]:
+    """The kind and text a parsed spec compiles (passes 1-2 of ``admit``), remembered by text."""
+    key = _verdicts.key(spec, config, strict)
+    held = _verdicts.get(key) if key is not None else None
+    if held is None:
+        try:
+            made = _checked_text(spec, config, strict)
+        except SpecError as exc:
+            if key is not None:
+                _verdicts.put(key, _Held(None, (exc.code, exc.message), _spec_size(spec)))
+            raise
+        if key is None:
+            return made, None
+        held = _Held(made._replace(warnings=tuple(made.warnings)), None, _spec_size(spec))
+        _verdicts.put(key, held)
+    if held.refused is not None:
+        raise SpecError(*held.refused)
+    assert held.made is not None
+    return held.made._replace(warnings=list(held.made.warnings)), held
+
+
+@contextlib.contextmanager
+def _the_specs_fault() -> Iterator[None]:
+    """Errors of a malformed spec become ``SpecError``: the spec's fault, never the rank's."""
+    try:
+        yield
+    except RecursionError as exc:
+        raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, SpecError):
+            raise
+        # Backstop: malformed values inside a spec (NaN, non-string keys,
+        # odd types).
+        raise SpecError(ErrorCode.spec_bad_json, f"malformed spec: {exc}") from exc
+
+
+def _checked_text(spec: StructuredOutputSpec, config: GrammarConfig, strict: bool) -> _Text:
+    field = _pick_kind(spec)
+    with _the_specs_fault():
+        made = _kind_and_text(spec, field, config, strict)
+        _check_unicode(made.text, field)
+    return made
+
+
 class TokenBudget(NamedTuple):
     """A request's token budget, for the unreachable-end bound (``shortest``)."""
 
@@ -331,24 +473,14 @@ def admit(
         The spec is malformed, hostile, or uses features that would not be
         enforced. ``code`` is stable; ``message`` says how to fix it.
     """
-    try:
+    with _the_specs_fault():
         spec = _as_spec(raw)
-        field = _pick_kind(spec)
-        strict = config.strict_mode
-        if spec.disable_additional_properties is not None:
-            strict = spec.disable_additional_properties
-        if spec.strict_mode is not None:
-            strict = spec.strict_mode
-        made = _kind_and_text(spec, field, config, strict)
-        _check_unicode(made.text, field)
-    except RecursionError as exc:
-        raise SpecError(ErrorCode.spec_too_deep, "spec nests too deeply to process") from exc
-    except (TypeError, ValueError, OverflowError) as exc:
-        if isinstance(exc, SpecError):
-            raise
-        # Backstop: malformed values inside a spec (NaN, non-string keys,
-        # odd types) are the spec's fault, never the rank's.
-        raise SpecError(ErrorCode.spec_bad_json, f"malformed spec: {exc}") from exc
+    strict = config.strict_mode
+    if spec.disable_additional_properties is not None:
+        strict = spec.disable_additional_properties
+    if spec.strict_mode is not None:
+        strict = spec.strict_mode
+    made, held = _validated_text(spec, config, strict)
     any_ws = config.any_whitespace
     if spec.disable_any_whitespace is not None:
         any_ws = not spec.disable_any_whitespace
@@ -370,7 +502,12 @@ def admit(
     )
     if budget is None:
         return Admission(gspec)
-    why = unreachable_end(kind, text, made.tree, budget.max_tokens, budget.max_token_bytes)
+    min_bytes = held.min_bytes if held is not None else None
+    if min_bytes is None:
+        min_bytes = min_output_bytes(kind, text, made.tree)
+        if held is not None:
+            held.min_bytes = min_bytes
+    why = unreachable_end(min_bytes, budget.max_tokens, budget.max_token_bytes)
     return Admission(gspec, why)
 
 

@@ -31,35 +31,13 @@ from typing import Any, Literal
 import msgspec
 
 from gramcoord.coordinator.byte_link import ByteLink
-from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import CoordinatorError
 from gramcoord.coordinator.status import Decision, PoisonRecord
-from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
-from gramcoord.rank_worker.session.types import StepOutcome
+from gramcoord.rank_worker.session.leader import StepOutcome
 
 logger = logging.getLogger(__name__)
-
-# The follower wait is capped at this share of the step timeout (see
-# ``stage_wait_s``).
-STAGE_WAIT_SHARE = 0.5
-
-
-def stage_wait_s(grammar: GrammarConfig, distributed: DistributedConfig, *, rank: int) -> float:
-    """How long a rank that follows a decision waits for its own compiles, per step.
-
-    A later pipeline stage and a ``fill`` TP follower both wait up to the
-    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout. A
-    gloo send completes only once its receiver has posted the receive, so a
-    follower that waits holds the decider back by as long: the decider must
-    never take a waiting follower for a lost one.
-    """
-    wait = min(grammar.compile_timeout_s, distributed.step_timeout_s * STAGE_WAIT_SHARE)
-    if wait < grammar.compile_timeout_s:
-        msg = "[rank %d] this rank waits at most %.1fs for compiles, not compile_timeout_s=%.1fs"
-        logger.warning(msg, rank, wait, grammar.compile_timeout_s)
-    return wait
 
 
 class DecidedRequest(msgspec.Struct, frozen=True, array_like=True):

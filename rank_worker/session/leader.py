@@ -8,7 +8,7 @@ multi-rank world, the ``Coordinator`` that drives it (the one agreement).
 In ``step`` a **decider** (stage 0, or every stage with ``pp_sync:
 collective``) posts the poison exchange, agrees with its peers, sends the
 decision down the chain and applies it; a **later stage** applies stage 0's
-decision, waiting for its own compiles up to ``followers.stage_wait_s``
+decision, waiting for its own compiles up to ``stage_wait_s``
 (what is still not compiled fails here alone: ``StepOutcome.stage_failed``).
 Hosts whose scheduler waits on a ``Future`` wrap the leader in
 ``futures.GrammarFutures``; replicas that share poison at the host's own
@@ -19,25 +19,64 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.config import DistributedConfig
-from gramcoord.coordinator.coordinator import Coordinator
-from gramcoord.coordinator.groups import HostGroup
-from gramcoord.coordinator.layout import ParallelLayout
-from gramcoord.coordinator.poison_share import PoisonShare
-from gramcoord.coordinator.status import PoisonRecord
+from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Entry, Lookup, Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
-from gramcoord.rank_worker.session.followers import NoteSender, stage_wait_s
-from gramcoord.rank_worker.session.types import StepOutcome
+
+if TYPE_CHECKING:
+    # A leader that decides alone never builds these: they load with the
+    # first multi-rank leader (``build``, ``for_host``).
+    from gramcoord.coordinator.comm import Comm
+    from gramcoord.coordinator.coordinator import Coordinator
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.poison_share import PoisonShare
+    from gramcoord.coordinator.status import PoisonRecord
+    from gramcoord.rank_worker.session.followers import NoteSender
 
 logger = logging.getLogger(__name__)
+
+# The wait of a rank that follows a decision is capped at this share of the
+# step timeout (see ``stage_wait_s``).
+STAGE_WAIT_SHARE = 0.5
+
+
+def stage_wait_s(grammar: GrammarConfig, distributed: DistributedConfig, *, rank: int) -> float:
+    """How long a rank that follows a decision waits for its own compiles, per step.
+
+    A later pipeline stage and a ``fill`` TP follower both wait up to the
+    compile timeout, capped at ``STAGE_WAIT_SHARE`` of the step timeout. A
+    gloo send completes only once its receiver has posted the receive, so a
+    follower that waits holds the decider back by as long: the decider must
+    never take a waiting follower for a lost one.
+    """
+    wait = min(grammar.compile_timeout_s, distributed.step_timeout_s * STAGE_WAIT_SHARE)
+    if wait < grammar.compile_timeout_s:
+        msg = "[rank %d] this rank waits at most %.1fs for compiles, not compile_timeout_s=%.1fs"
+        logger.warning(msg, rank, wait, grammar.compile_timeout_s)
+    return wait
+
+
+class StepOutcome(NamedTuple):
+    """What ``step`` decided on this rank: requests admitted and failed."""
+
+    admitted: list[Outcome]
+    failed: list[Outcome]
+    # The failed requests that the decision admitted: they failed on this
+    # pipeline stage alone (a later stage's compile did not finish in time),
+    # so stage 0 learns of them only from this stage.
+    stage_failed: list[Outcome]
+    # The end-of-run vote that settled this step (``step(n, busy=...)``):
+    # True when no voting replica was busy at the step that voted, False
+    # when one was, None when no vote settled. The same on every replica.
+    all_idle: bool | None = None
+
 
 # Called with the requests a step admitted (the last stage starts their
 # grammar states), and with each request that ends.
@@ -92,6 +131,8 @@ class StageLeader:
         """
         if comm is None or layout.world_size == 1:
             return cls(manager, None, **roles)
+        from gramcoord.coordinator.coordinator import Coordinator
+
         grammar = manager.config
         coordinator = Coordinator.from_config(
             layout,
@@ -127,6 +168,9 @@ class StageLeader:
         distributed:
             Deadlines (``step_timeout_s``) and the agreement's options.
         """
+        from gramcoord.coordinator.groups import HostGroup
+        from gramcoord.coordinator.layout import ParallelLayout
+
         distributed = distributed or DistributedConfig()
         comm = HostGroup(group, step_timeout_s=distributed.step_timeout_s)
         if comm.size == 1:

@@ -41,9 +41,8 @@ from gramcoord.rank_worker.session.followers import (
     FollowerBook,
     NoteSender,
     TpFollower,
-    stage_wait_s,
 )
-from gramcoord.rank_worker.session.leader import StageLeader
+from gramcoord.rank_worker.session.leader import StageLeader, stage_wait_s
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
 from gramcoord.rank_worker.session.stage_masks import StageMasks
 from gramcoord.rank_worker.session.types import SessionConfig, SessionStats

@@ -43,7 +43,7 @@ from gramcoord.coordinator.runtime import Runtime
 from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 from gramcoord.rank_worker.session.followers import TpFollower
-from gramcoord.rank_worker.session.leader import StageLeader
+from gramcoord.rank_worker.session.leader import StageLeader, StepOutcome
 from gramcoord.rank_worker.session.reader import FollowerRows, MaskReader
 from gramcoord.rank_worker.session.roles import ROLE_NAMES, RoleSet, build_roles
 from gramcoord.rank_worker.session.stage_masks import StageMasks
@@ -53,7 +53,6 @@ from gramcoord.rank_worker.session.types import (
     SessionConfig,
     SessionStats,
     StaleGrammarState,
-    StepOutcome,
     VocabularyMismatch,
 )
 

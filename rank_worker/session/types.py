@@ -15,7 +15,7 @@ from gramcoord.rank_worker.config import (
     SpeculativeConfig,
 )
 from gramcoord.rank_worker.errors import GrammarError
-from gramcoord.rank_worker.grammars.outcome import ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.outcome import ManagerStats
 from gramcoord.rank_worker.masks.jump_forward import JumpStats
 from gramcoord.sync.config import TransportConfig
 
@@ -56,21 +56,6 @@ class SessionConfig(msgspec.Struct, frozen=True, kw_only=True):
     def of(cls, config: Any) -> SessionConfig:
         """Take the session's sections from a larger config (e.g. ``ClusterConfig``)."""
         return cls(**{f: getattr(config, f) for f in cls.__struct_fields__})
-
-
-class StepOutcome(NamedTuple):
-    """What ``step`` decided on this rank: requests admitted and failed."""
-
-    admitted: list[Outcome]
-    failed: list[Outcome]
-    # The failed requests that the decision admitted: they failed on this
-    # pipeline stage alone (a later stage's compile did not finish in time),
-    # so stage 0 learns of them only from this stage.
-    stage_failed: list[Outcome]
-    # The end-of-run vote that settled this step (``step(n, busy=...)``):
-    # True when no voting replica was busy at the step that voted, False
-    # when one was, None when no vote settled. The same on every replica.
-    all_idle: bool | None = None
 
 
 class MaskBatch(NamedTuple):

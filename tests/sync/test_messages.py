@@ -141,3 +141,18 @@ def test_decoders_raise_only_decode_errors(decoder, data):
         return  # ValidationError is a DecodeError subclass
     # Anything that does decode is a fully validated message.
     assert ENC.encode(message) == ENC.encode(decoder().decode(ENC.encode(message)))
+
+
+def test_admission_takes_no_request_id_the_wire_refuses():
+    """Admission's bound is the wire's: one admitted id never breaks a batch's publish."""
+    from gramcoord.rank_worker.grammars import outcome
+    from gramcoord.sync import messages
+
+    assert outcome.MAX_REQUEST_ID_CHARS == messages.MAX_REQUEST_ID_CHARS
+    longest = "x" * outcome.MAX_REQUEST_ID_CHARS
+    assert outcome.valid_request_id(longest)
+    assert not outcome.valid_request_id(longest + "x")
+    wire = ENC.encode(BitmaskReady(7, 1, 1, (longest,), (0,)))
+    assert reader_decoder().decode(wire).request_ids == (longest,)
+    with pytest.raises(msgspec.DecodeError):
+        reader_decoder().decode(ENC.encode(BitmaskReady(7, 1, 1, (longest + "x",), (0,))))
