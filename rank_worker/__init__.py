@@ -7,9 +7,9 @@ subpackage                holds
                           the grammar manager and its per-step admission
 ``masks``                 grammar states, bitmask builder, logits apply,
                           jump-forward
-``session``               ``RankSession``: the per-rank API engines embed
-``engine``                gramcoord's step loop (``run_loop``) and its parts
-``integrations``          Hugging Face ``generate``
+``session``               ``StageLeader`` (the per-rank verbs every host
+                          calls) and ``RankSession`` (the attach of
+                          gramcoord's own engine and its TP workers)
 ========================  ====================================================
 
 Nothing is imported here: importing a config module (``rank_worker.config``)

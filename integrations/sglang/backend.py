@@ -79,7 +79,6 @@ from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
-from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
@@ -206,7 +205,7 @@ class GramcoordGrammar(XGrammarGrammar):
 
 
 class GramcoordBackend(BaseGrammarBackend):
-    """SGLang's ``BaseGrammarBackend`` over a gramcoord ``GrammarManager``.
+    """SGLang's ``BaseGrammarBackend`` over a gramcoord ``StageLeader``.
 
     Parameters
     ----------
@@ -251,10 +250,8 @@ class GramcoordBackend(BaseGrammarBackend):
         compile_fn: CompileFn = self._compile
         if compile_hook is not None:
             compile_fn = compile_hook(compile_fn)
-        manager = GrammarManager(
-            self.config, HostVocabulary(f"sglang:{name}:{vocab_size}"), compile_fn=compile_fn
-        )
-        self.leader = StageLeader.for_host(manager, group)
+        vocab = HostVocabulary(f"sglang:{name}:{vocab_size}")
+        self.leader = StageLeader.for_host(self.config, vocab, compile_fn, group)
         self.grammars = GrammarFutures(self.leader, admit=self._admitted, refuse=self._refused)
         # spec key -> SGLang's key, compiled as SGLang's backend compiles it.
         self._origin: dict[bytes, tuple[str, str]] = {}

@@ -36,7 +36,6 @@ from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
 from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
-from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
@@ -160,7 +159,7 @@ class GramcoordGrammar(XgrammarGrammar):
 
 @dataclass
 class GramcoordBackend(StructuredOutputBackend):
-    """vLLM's ``StructuredOutputBackend`` over a gramcoord ``GrammarManager``."""
+    """vLLM's ``StructuredOutputBackend`` over a gramcoord ``StageLeader``."""
 
     group: Any = None
 
@@ -179,10 +178,13 @@ class GramcoordBackend(StructuredOutputBackend):
         faults = RankFaults.of(options.faults, self.global_rank)
         distributed = options.distributed
         vocab = f"vllm:{self.vllm_config.model_config.tokenizer}:{self.vocab_size}"
-        manager = GrammarManager(
-            self.config, HostVocabulary(vocab), compile_fn=faults.wrap_compile(self._compile_spec)
+        self.leader = StageLeader.for_host(
+            self.config,
+            HostVocabulary(vocab),
+            faults.wrap_compile(self._compile_spec),
+            self.group,
+            distributed,
         )
-        self.leader = StageLeader.for_host(manager, self.group, distributed)
         self.grammars = GrammarFutures(
             self.leader,
             admit=self._admitted,

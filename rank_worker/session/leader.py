@@ -26,9 +26,11 @@ import numpy as np
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
+from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Entry, Lookup, Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
+from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary, Tokenizer
 
 if TYPE_CHECKING:
     # A leader that decides alone never builds these: they load with the
@@ -148,16 +150,27 @@ class StageLeader:
     @classmethod
     def for_host(
         cls,
-        manager: GrammarManager,
+        grammar: GrammarConfig,
+        vocabulary: Tokenizer | HostVocabulary,
+        compile_fn: CompileFn,
         group: Any | None,
         distributed: DistributedConfig | None = None,
     ) -> StageLeader:
         """The per-rank API inside a host engine, agreeing over the host's own group.
 
+        The host hands over what its grammar manager is made of and never
+        holds the manager itself: every call goes through this leader.
+
         Parameters
         ----------
-        manager:
-            The rank's manager (its compile function is the host's).
+        grammar:
+            The manager's options (pool, deadlines, poison TTL, limits).
+        vocabulary:
+            The host's vocabulary (a ``HostVocabulary`` naming it, when the
+            host fills its own masks), part of every grammar key.
+        compile_fn:
+            Compiles one validated ``GrammarSpec`` as the host's own backend
+            would (on the manager's compile thread).
         group:
             The gloo process group of the ranks that schedule the same
             request stream (vLLM's TP group under ``external_launcher``,
@@ -168,6 +181,9 @@ class StageLeader:
         distributed:
             Deadlines (``step_timeout_s``) and the agreement's options.
         """
+        manager = GrammarManager(grammar, vocabulary, compile_fn=compile_fn)
+        if group is None:
+            return cls(manager, None)
         from gramcoord.coordinator.groups import HostGroup
         from gramcoord.coordinator.layout import ParallelLayout
 
@@ -225,7 +241,7 @@ class StageLeader:
         return self._manager.state_of(request_id)
 
     @property
-    def undecided(self) -> int:
+    def num_undecided(self) -> int:
         """Requests submitted and not yet decided (pending or waiting)."""
         return self._manager.num_pending + self._manager.num_waiting
 

@@ -1,4 +1,4 @@
-"""Fault injection through the ``faults`` config section (issue 11, part 1).
+"""Fault injection through the ``faults`` config section.
 
 Each test sets one fault with ``--set faults....`` and checks what must
 notice it:

@@ -1,4 +1,4 @@
-"""A short soak: configs/soak.yaml, cut to ~130 requests (issue 11, part 3).
+"""A short soak: configs/soak.yaml, cut to ~130 requests.
 
 The full soak (~5,000 requests, docs/reliability.md) is too long for the
 suite; this runs the same config with two passes of the workload and a

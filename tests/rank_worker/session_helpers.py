@@ -38,7 +38,7 @@ def settle(session: RankSession, timeout_s: float = 30.0) -> tuple[list[Outcome]
         out = session.leader.step(next(_steps))
         admitted += out.admitted
         failed += out.failed
-        if not session.leader.undecided:
+        if not session.leader.num_undecided:
             return admitted, failed
         assert time.monotonic() < deadline, "compiles never settled"
         time.sleep(0.002)

@@ -84,7 +84,8 @@ CASES = {
     "blocked from the start": ([(1.5, 0.0, 0.0, False)], OWN),
     # Runnable: a wait may be in progress that the kernel has not added yet.
     # 5 s of wall clock, 0.5 s of waits ended, 0.3 s of CPU: the other 4.2 s
-    # are a wait in progress, not the compile's time (3975c6b timed it out).
+    # are a wait in progress, not the compile's time (the wall clock less the
+    # ended waits timed it out).
     "queued in a long wait": ([(5.0, 0.3, 0.5, True)], None),
     "computing past": ([(1.5, 1.2, 0.0, True)], OWN),
     # An exact reading, then CPU since: 0.5 s exact at 3 s, then 0.4 s and
@@ -247,8 +248,9 @@ class Starved:
 def test_a_poll_inside_a_long_run_queue_wait_does_not_time_the_compile_out(hog_cpu):
     """The stale read, reproduced: the kernel adds a run-queue wait to the
     thread's total only when the wait ends, so a poll in the middle of one
-    saw it as the compile's own time (3975c6b timed such compiles out at
-    any load where single waits outlast the deadline).
+    saw it as the compile's own time (the wall clock less the ended waits
+    timed such compiles out at any load where single waits outlast the
+    deadline).
 
     The compile runs at nice +19 beside the nice-0 hog on its CPU (CFS
     weights 15 against 1024: it waits about 70 slices for each it runs), so

@@ -150,7 +150,7 @@ def test_a_job_failing_while_its_state_is_read_is_never_ready():
 
 
 def test_a_compile_failing_while_the_window_is_read_still_poisons(tiny_tokenizer):
-    """Issue 30, test 1: under load the compile ended between the two reads
+    """Under load the compile ended between the two reads
     of the job's state, the request was called ready, and failed only at its
     admission, without poisoning its key (``new_failures()`` was empty)."""
     backend = GatedBackend(tiny_tokenizer)
