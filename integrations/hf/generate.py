@@ -43,18 +43,16 @@ grammars, builds and applies bitmask rows; all agreement happens in
 
 The step counter
 ----------------
-``prepare`` submits every spec, then calls ``session.leader.step(n)`` followed by
-``session.leader.all_done(n, done)`` until every rank's requests are admitted or
-failed. ``all_done`` is one tiny all_gather whose answer is the same on every
-rank, so every rank leaves after the same step, although partitioned
-replicas finish admission at different steps and each ``step`` posts a
-collective among them (the poison exchange). ``n`` is one counter per
+``prepare`` submits every spec, then calls ``session.leader.step(n, busy=...)``
+until the step's ``all_idle`` says every rank's requests are admitted or
+failed: the core's end-of-run vote, the same on every rank, so every rank
+leaves after the same step although partitioned replicas finish admission
+at different steps. The vote rides on the poison exchange each ``step``
+posts among replicas and settles with it, so a failure that poisons a key
+reaches every peer's cache before ``prepare`` returns; without an exchange
+the vote is one tiny all_gather at once. ``n`` is one counter per
 ``GenerateSession`` that keeps increasing across ``prepare`` calls (the
-coordinator refuses a step that does not increase). A step that failed a
-request with a poisoning code (``grammar_invalid``, ``grammar_timeout``)
-votes "not done" for ``session.leader.poison_lag_steps + 1`` more steps: the
-failure is posted at the next step and settles that many steps later, so
-the peers' poison caches hold the key before ``prepare`` returns.
+coordinator refuses a step that does not increase).
 
 Rows
 ----
@@ -93,11 +91,6 @@ from gramcoord.rank_worker.session.session import RankSession
 from gramcoord.rank_worker.session.types import SessionConfig
 
 __all__ = ["FailedRows", "GenerateSession", "GenerationResult", "GrammarLogitsProcessor"]
-
-# Failure codes that poison a key; a step that decides one is followed by
-# one more step so the failure reaches the peers before ``prepare`` returns.
-_POISONING = frozenset({"grammar_invalid", "grammar_timeout"})
-
 
 class GenerateSession:
     """One rank's structured-output session around Hugging Face ``generate``.
@@ -269,23 +262,20 @@ class GenerateSession:
             self._records[rid] = Record(o)
         undecided = {rid for rid, o in outcomes.items() if o.status in ("pending", "waiting")}
         leader = self.session.leader
-        # Steps a poisoning failure still needs to reach every peer.
-        hold = 0
         while True:
             step = self._next_step
             self._next_step += 1
             self.num_steps += 1
-            decided = leader.step(step)
+            # The end-of-run vote rides on the step (the core's vote): it
+            # settles with the poison posted beside it, so every peer holds
+            # this rank's new poison when the vote says all are idle.
+            decided = leader.step(step, busy=bool(undecided))
             for o in (*decided.admitted, *decided.failed):
                 if o.request_id in undecided:
                     undecided.discard(o.request_id)
                     outcomes[o.request_id] = o
                     self._records[o.request_id].outcome = o
-                if o.status == "failed" and o.code in _POISONING:
-                    hold = leader.poison_lag_steps + 1
-            done = not undecided and hold == 0
-            hold = max(0, hold - 1)
-            if leader.all_done(step, done):
+            if decided.all_idle:
                 return outcomes
             if undecided:
                 time.sleep(self.poll_s)
