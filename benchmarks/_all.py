@@ -46,7 +46,6 @@ import importlib.util
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -54,7 +53,14 @@ from pathlib import Path
 
 import msgspec
 
-from gramcoord.benchmarks._contract import BenchRecord, available, package_dir, write_records
+from gramcoord.benchmarks._contract import (
+    BenchRecord,
+    available,
+    end_group,
+    package_dir,
+    spawn,
+    write_records,
+)
 from gramcoord.benchmarks._tables import (
     BenchMeta,
     BenchRun,
@@ -192,51 +198,16 @@ def _width() -> int:
     return max(shutil.get_terminal_size((100, 24)).columns, 40)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _end_group(proc: subprocess.Popen) -> None:
-    """Terminate, then kill, the child's process group; reap the child.
-
-    Runs after a normal exit too: a benchmark that returned may still have
-    left a rank or a receiver behind in its group.
-    """
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not _group_alive(proc.pid):
-            break
-        os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the leader, or the group never empties
-            if not _group_alive(proc.pid):
-                break
-            time.sleep(0.05)
-    proc.wait()
-
-
 def run_child(cmd: list[str], log: Path, timeout_s: float) -> tuple[int | None, float]:
     """Run ``cmd`` with its output in ``log``; (exit status or None on the deadline, wall s)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            rc: int | None = proc.wait(timeout=max(timeout_s, 0.1))
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:  # a Ctrl-C here must not leave the group running
-            _end_group(proc)
+    proc = spawn(cmd, log)
+    try:
+        rc: int | None = proc.wait(timeout=max(timeout_s, 0.1))
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:  # a Ctrl-C here must not leave the group running
+        end_group(proc, GRACE_S)
     return rc, time.monotonic() - t0
 
 

@@ -1,7 +1,8 @@
 """The benchmark contract shared by every module of ``gramcoord.benchmarks``.
 
 A benchmark is a module of the ``gramcoord.benchmarks`` package
-(``benchmarks/NAME.py`` in a checkout; installed with the package) that
+(``benchmarks/NAME.py``, or ``benchmarks/NAME_bench.py`` where ``NAME``
+would shadow a package, in a checkout; installed with the package) that
 defines ``run(args: list[str]) -> list[BenchRecord]``. Modules whose name
 starts with ``_``, or that define no ``run``, are helpers.
 ``gramcoord bench NAME --out DIR`` imports the module, runs it, prints the
@@ -20,11 +21,14 @@ import ast
 import gc
 import importlib
 import importlib.util
+import json
 import os
 import pkgutil
+import signal
 import statistics
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -123,6 +127,28 @@ def median_ms(fn: Callable[[], object], *, repeat: int = 21, warmup: int = 2) ->
     return statistics.median(samples)
 
 
+def round_robin_ms(fns, *, repeat: int, warmup: int = 1, pause_gc: bool = False) -> list[float]:
+    """Median ms of each function, timed one call each in turn, so that a change
+    in the machine's load hits every contender alike (same-run baselines)."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    enabled = gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    try:
+        for _ in range(repeat):
+            for fn, out in zip(fns, samples):
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        if pause_gc and enabled:
+            gc.enable()
+    return [statistics.median(s) for s in samples]
+
+
 def interleaved_ms(fns: dict, repeat: int) -> dict[str, float]:
     """Median ms of each function, measured in alternating rounds of ``median_ms``.
 
@@ -208,8 +234,27 @@ def package_dir(package: str, holding: str) -> Path | None:
     return None
 
 
-def add_data_arg(parser) -> None:
-    """The ``--data`` option every benchmark that reads dev data takes."""
+# The shipped workload: installed with the package, or the checkout's configs/.
+WORKLOAD = (
+    package_dir("gramcoord.configs", "workload.jsonl")
+    or Path(__file__).resolve().parents[1] / "configs"
+) / "workload.jsonl"
+
+
+def dev_labelled(data: Path) -> Iterator[tuple[dict, dict]]:
+    """Every record of ``data/schemas-dev.jsonl`` with its xgrammar label ({} without one)."""
+    labels = {}
+    for line in (data / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        labels[rec["id"]] = rec
+    for line in (data / "schemas-dev.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        yield rec, labels.get(rec["id"], {})
+
+
+def add_data_arg(parser, *, max_label_ms: float | None = None) -> None:
+    """The ``--data`` option every benchmark that reads dev data takes; with
+    ``max_label_ms``, also ``--max-label-ms`` (that default)."""
     parser.add_argument(
         "--data",
         type=Path,
@@ -217,6 +262,13 @@ def add_data_arg(parser) -> None:
         help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
         "tests/data; installed without a checkout: the subset installed with the package)",
     )
+    if max_label_ms is not None:
+        parser.add_argument(
+            "--max-label-ms",
+            type=float,
+            default=max_label_ms,
+            help="skip schemas whose labelled compile is slower",
+        )
 
 
 def _defines_run(origin: str | None) -> bool:
@@ -230,29 +282,79 @@ def _defines_run(origin: str | None) -> bool:
     )
 
 
-def available(package: str = PACKAGE) -> list[str]:
-    """Names of the benchmarks in ``package``: public modules that define ``run``.
+def _modules(package: str) -> dict[str, str]:
+    """Benchmark name -> module: the public modules of ``package`` that define ``run``.
 
-    Found by reading the sources, so listing them imports no benchmark (and
-    none of torch or xgrammar).
+    A module ``NAME_bench`` is benchmark ``NAME`` (``vllm_bench``: a module
+    named ``vllm`` would shadow the vLLM package wherever ``benchmarks/`` is
+    on ``sys.path``). Found by reading the sources, so listing them imports
+    no benchmark (and none of torch or xgrammar).
     """
     pkg = importlib.import_module(package)
-    names = []
+    out = {}
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("_") or info.ispkg:
             continue
         spec = importlib.util.find_spec(f"{package}.{info.name}")
         if _defines_run(spec.origin if spec else None):
-            names.append(info.name)
-    return sorted(set(names))
+            out[info.name.removesuffix("_bench")] = info.name
+    return dict(sorted(out.items()))
+
+
+def available(package: str = PACKAGE) -> list[str]:
+    """Names of the benchmarks in ``package`` (``_modules``), sorted."""
+    return list(_modules(package))
 
 
 def load(name: str, package: str = PACKAGE) -> ModuleType:
     """Import benchmark ``name``; an unknown name exits with the list of known ones."""
-    names = available(package)
-    if name not in names:
-        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(names)}, all")
-    return importlib.import_module(f"{package}.{name}")
+    modules = _modules(package)
+    if name not in modules:
+        raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(modules)}, all")
+    return importlib.import_module(f"{package}.{modules[name]}")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def spawn(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (``end_group`` ends it), its output in ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **kw,
+        )
+
+
+def end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> bool:
+    """Terminate, then kill, the process group ``proc`` leads (started with
+    ``start_new_session``) and reap ``proc``; True if nothing of the group is left.
+
+    Runs after a normal exit too: a child that returned may still have left a
+    rank, a receiver or an engine core behind in its group.
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _group_alive(proc.pid):
+            break
+        os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or the group never empties
+            if not _group_alive(proc.pid):
+                break
+            time.sleep(0.05)
+    proc.wait()
+    return not _group_alive(proc.pid)
 
 
 def run_bench(

@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 import xgrammar as xgr
 
-from gramcoord.engine.models import ModelRequest
+from gramcoord.engine.models import ModelRequest, SyntheticModel
 from gramcoord.engine.requests import EngineRequest
+from gramcoord.engine.sampler import Sampler
 from gramcoord.launch.workload import read_workload
-from gramcoord.rank_worker.config import GrammarConfig
+from gramcoord.rank_worker.config import GrammarConfig, SamplingConfig
 from gramcoord.rank_worker.errors import SpecError
 from gramcoord.rank_worker.grammars.spec import validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
@@ -203,7 +204,7 @@ class RankRun(msgspec.Struct, kw_only=True):
 class RunClock:
     """One rank's clock for one run: forward calls and the logits work.
 
-    ``model`` and ``sampler`` wrap the logits source and the sampler;
+    ``timed`` gives the synthetic model and the greedy sampler, wrapped;
     xgrammar's ``apply_token_bitmask_inplace`` is timed through
     ``KERNEL_HOOK``, which every way reaches through the module attribute.
 
@@ -222,14 +223,25 @@ class RunClock:
         self._one = torch.zeros(1, dtype=torch.int64)
         KERNEL_HOOK.sink = self.logits_work
 
-    def model(self, model) -> _TimedModel:
-        return _TimedModel(model, self)
-
-    def sampler(self, sampler) -> _TimedSampler:
-        return _TimedSampler(sampler, self)
+    def timed(self, tokenizer: Tokenizer) -> tuple[_TimedModel, _TimedSampler]:
+        """The logits source and the sampler every way runs, timed by this clock."""
+        model, sampler = SyntheticModel(tokenizer), Sampler(SamplingConfig())
+        return _TimedModel(model, self), _TimedSampler(sampler, self)
 
     def close(self) -> None:
         KERNEL_HOOK.sink = None
+
+    def result(self, way: str, rank: int, outputs: dict, **kw) -> RankRun:
+        """What this rank hands back for the run: the clock's records and ``outputs``."""
+        return RankRun(
+            way=way,
+            rank=rank,
+            calls=self.calls,
+            batches=self.batches,
+            logits_work=self.logits_work,
+            outputs=outputs,
+            **kw,
+        )
 
 
 class _TimedModel:

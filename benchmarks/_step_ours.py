@@ -15,24 +15,21 @@ Fill strategies (the ``BitmaskBuilder`` of the last-stage leader, K = 0):
 - ``batch2``: ``BatchGrammarMatcher(default_fill_threads())`` at every size;
 - ``pool``: the chunked thread pool the builder did not keep (the caller
   plus ``threads - 1`` workers pulling chunks of 16 matchers), at every
-  size. It exists only here, to be judged end to end.
+  size: ``fill.PoolFill``, which ``gramcoord bench fill`` times alone; here
+  it is judged end to end.
 """
 
 from __future__ import annotations
 
 import secrets
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from gramcoord.benchmarks._step_common import BenchRequest, Output, RankRun, RunClock
+from gramcoord.benchmarks.fill import PoolFill
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.engine.loop import run_loop
-from gramcoord.engine.models import SyntheticModel
-from gramcoord.engine.sampler import Sampler
 from gramcoord.rank_worker.config import (
     GrammarConfig,
-    SamplingConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -41,36 +38,6 @@ from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_thr
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig
 
 STRATEGIES = ("default", "batch1", "batch2", "pool")
-# Matchers per chunk of the pool strategy (as vLLM's fill pool and bench fill).
-CHUNK = 16
-
-
-class _PoolEngine:
-    """``batch_fill_next_token_bitmask`` on a chunked thread pool plus the caller."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self.pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="fill-pool")
-
-    def batch_fill_next_token_bitmask(self, matchers, out, indices=None) -> None:
-        rows = list(range(len(matchers))) if indices is None else list(indices)
-        bounds = [(lo, min(lo + CHUNK, len(matchers))) for lo in range(0, len(matchers), CHUNK)]
-        lock = threading.Lock()
-        it = iter(bounds)
-
-        def work() -> None:
-            while True:
-                with lock:
-                    span = next(it, None)
-                if span is None:
-                    return
-                for j in range(*span):
-                    matchers[j].fill_next_token_bitmask(out, rows[j])
-
-        futures = [self.pool.submit(work) for _ in range(self.threads - 1)]
-        work()
-        for f in futures:
-            f.result()
 
 
 class _PoolBuilder(BitmaskBuilder):
@@ -85,7 +52,7 @@ class _PoolBuilder(BitmaskBuilder):
         if parallel:
             engine = self._engines.get(-1)
             if engine is None:
-                engine = self._engines[-1] = _PoolEngine(self.num_threads)
+                engine = self._engines[-1] = PoolFill(self.num_threads)
             return engine
         return super()._engine(parallel=False)
 
@@ -141,8 +108,7 @@ def run_ours(
         report = run_loop(
             session,
             [r.engine_request() for r in requests],
-            clock.model(SyntheticModel(tokenizer)),
-            clock.sampler(Sampler(SamplingConfig())),
+            *clock.timed(tokenizer),
             SpeculativeConfig(),
             per_step=0,
         )
@@ -152,14 +118,5 @@ def run_ours(
         clock.close()
         if isinstance(builder, _PoolBuilder):
             builder.close()
-    return RankRun(
-        way=f"ours_{strategy}",
-        rank=session.rank,
-        calls=clock.calls,
-        batches=clock.batches,
-        logits_work=clock.logits_work,
-        timings=report.timings,
-        outputs={
-            o.id: Output(o.status, o.finish_reason, list(o.token_ids)) for o in report.outputs
-        },
-    )
+    outputs = {o.id: Output(o.status, o.finish_reason, list(o.token_ids)) for o in report.outputs}
+    return clock.result(f"ours_{strategy}", session.rank, outputs, timings=report.timings)

@@ -53,9 +53,6 @@ from gramcoord.benchmarks._step_common import (
     replica_share,
     take_token,
 )
-from gramcoord.engine.models import SyntheticModel
-from gramcoord.engine.sampler import Sampler
-from gramcoord.rank_worker.config import SamplingConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 # SGLANG_GRAMMAR_POLL_INTERVAL's default, in seconds.
@@ -188,8 +185,7 @@ def run_sglang(
     group, src = tp_groups[replica], replica * tp
     sched = _Scheduler(tokenizer, group, tp, max_num_seqs)
     clock = RunClock(record_batches=tp_rank == 0, tp_group=group if sync_forward else None)
-    model = clock.model(SyntheticModel(tokenizer))
-    sampler = clock.sampler(Sampler(SamplingConfig()))
+    model, sampler = clock.timed(tokenizer)
     inbox = replica_share(requests, dp=dp, replica=replica) if tp_rank == 0 else []
     try:
         while True:
@@ -213,11 +209,4 @@ def run_sglang(
     finally:
         sched.close()
         clock.close()
-    return RankRun(
-        way="sglang",
-        rank=rank,
-        calls=clock.calls,
-        batches=clock.batches,
-        logits_work=clock.logits_work,
-        outputs=sched.outputs if tp_rank == 0 else {},
-    )
+    return clock.result("sglang", rank, sched.outputs if tp_rank == 0 else {})

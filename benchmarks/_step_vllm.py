@@ -50,9 +50,7 @@ from gramcoord.benchmarks._step_common import (
     take_token,
 )
 from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue
-from gramcoord.engine.models import ModelRequest, SyntheticModel
-from gramcoord.engine.sampler import Sampler
-from gramcoord.rank_worker.config import SamplingConfig
+from gramcoord.engine.models import ModelRequest
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 # StructuredOutputManager's parallel-fill threshold and chunk size.
@@ -215,8 +213,8 @@ def run_vllm(
     replica, tp_rank = divmod(rank, tp)
     group, src = tp_groups[replica], replica * tp
     clock = RunClock(record_batches=tp_rank == 0, tp_group=group if sync_forward else None)
-    worker = _Worker(clock.model(SyntheticModel(tokenizer)))
-    sampler = clock.sampler(Sampler(SamplingConfig()))
+    model, sampler = clock.timed(tokenizer)
+    worker = _Worker(model)
     # Set-up, not the hot path: the queue's handle goes to the peers pickled.
     box: list = [None]
     if tp_rank == 0:
@@ -243,14 +241,7 @@ def run_vllm(
             manager.close()
         queue.close()
         clock.close()
-    return RankRun(
-        way="vllm",
-        rank=rank,
-        calls=clock.calls,
-        batches=clock.batches,
-        logits_work=clock.logits_work,
-        outputs=manager.outputs if manager is not None else {},
-    )
+    return clock.result("vllm", rank, manager.outputs if manager is not None else {})
 
 
 def _engine_core(manager: _Manager, queue, worker: _Worker, sampler) -> None:

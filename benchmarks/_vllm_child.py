@@ -55,17 +55,23 @@ from gramcoord.benchmarks._vllm_common import (
 from gramcoord.benchmarks._vllm_turns import parse_cpus, turn
 
 
-def _parse_step(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gramcoord.benchmarks._vllm_child step")
+def _parser(prog: str) -> argparse.ArgumentParser:
+    """The options both children take."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model", required=True)
     p.add_argument("--backend", required=True, choices=("xgrammar", "gramcoord"))
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--data", default=None)
     p.add_argument("--cache-root", default=None)
     p.add_argument("--turns", type=Path, default=None, help="take rounds in turns (_vllm_turns)")
+    return p
+
+
+def _parse_step(argv: list[str]) -> argparse.Namespace:
+    p = _parser("python -m gramcoord.benchmarks._vllm_child step")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=5)
     return p.parse_args(argv)
 
 
@@ -128,16 +134,10 @@ def step_main(argv: list[str]) -> int:
 
 
 def _parse_hol(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="torchrun ... -m gramcoord.benchmarks._vllm_child hol")
-    p.add_argument("--model", required=True)
-    p.add_argument("--backend", required=True, choices=("xgrammar", "gramcoord"))
+    p = _parser("torchrun ... -m gramcoord.benchmarks._vllm_child hol")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--fast", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--data", default=None)
-    p.add_argument("--cache-root", default=None)
-    p.add_argument("--turns", type=Path, default=None, help="take rounds in turns (_vllm_turns)")
     p.add_argument("--cpus", default=None, help="pin the engine (every thread) to these CPUs")
     p.add_argument(
         "--compile-cpus", default=None, help="run each xgrammar compile call on these CPUs"

@@ -21,7 +21,6 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,14 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
-# Arguments every engine here is built with (``LLM(**ENGINE_KW)``).
-ENGINE_KW: dict[str, object] = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True}
+# Arguments every engine here, and in the real-vLLM tests, is built with
+# (``LLM(model, **ENGINE_KW)``); seed 0 is vLLM's default, said explicitly.
+ENGINE_KW: dict[str, object] = {
+    "dtype": "float32",
+    "max_model_len": 1024,
+    "enforce_eager": True,
+    "seed": 0,
+}
 _DONE = ".gramcoord-tiny-model"
 # gramcoord's options in the benchmark: no compile deadline within reach. On a
 # loaded 2-core machine a nice-10 compile thread gets little CPU (a fast
@@ -220,7 +225,6 @@ def make_llm(model: str, backend: str, **kw: Any) -> Any:
     return LLM(
         model,
         structured_outputs_config={"backend": backend},
-        seed=0,
         **ENGINE_KW,
         **extra,
         **kw,
@@ -256,15 +260,10 @@ def _accepted(schema: Any) -> bool:
 
 def dev_schemas(data: str | None, n: int) -> list[dict]:
     """The first ``n`` fast dev schemas both backends accept (the same on every call)."""
-    root = _data_dir(data)
-    labels = {}
-    for line in (root / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        labels[rec["id"]] = rec
+    from gramcoord.benchmarks._contract import dev_labelled
+
     out = []
-    for line in (root / "schemas-dev.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        label = labels.get(rec["id"], {})
+    for rec, label in dev_labelled(_data_dir(data)):
         fast = label.get("status") == "ok" and (label.get("compile_ms") or 1e9) < FAST_COMPILE_MS
         if fast and _accepted(rec["schema"]):
             out.append(rec["schema"])
@@ -317,9 +316,3 @@ def params(schema: dict | None, max_tokens: int) -> Any:
     return SamplingParams(
         temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=so
     )
-
-
-def timed_call(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, (time.perf_counter() - t0) * 1e3

@@ -1,7 +1,7 @@
 """The records of ``gramcoord bench vllm``, from its children's JSON (no vLLM import).
 
 Kept apart from the children so the report's shape is tested without an
-engine (``tests/launch/test_bench_vllm.py``).
+engine (``tests/benchmarks/test_bench_vllm.py``).
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ terminated, then killed.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from gramcoord.benchmarks._contract import end_group, spawn
 
 __all__ = ["ServerProcess", "healthy", "serve_args"]
 
@@ -75,11 +75,7 @@ class ServerProcess:
         self.log = log
         argv = ["bash", "-c", cmd] if isinstance(cmd, str) else cmd
         self.started = time.monotonic()
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                cwd=cwd, env=env, start_new_session=True,
-            )  # fmt: skip
+        self.proc = spawn(argv, log, cwd=cwd, env=env)
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -108,22 +104,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
     def stop(self) -> bool:
         """Terminate, then kill, the process group; True if nothing of it is left."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if not self._group_alive():
-                break
-            os.killpg(self.proc.pid, sig)
-            deadline = time.monotonic() + GRACE_S
-            while time.monotonic() < deadline and self._group_alive():
-                self.proc.poll()
-                time.sleep(0.1)
-        self.proc.wait()
-        return not self._group_alive()
+        return end_group(self.proc, GRACE_S)

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from gramcoord.benchmarks._contract import end_group, spawn
+
 POLL_S = 0.01
 
 
@@ -73,23 +75,12 @@ def run_in_turns(children: list[Child], rounds: int, folder: Path, timeout_s: fl
     seconds. Raises ``ChildFailed`` when one exits before its last round, exits
     with an error, or the run passes ``timeout_s``.
     """
-    from gramcoord.benchmarks._all import _end_group
-
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    logs = []
     try:
         for child in children:
-            child.log.parent.mkdir(parents=True, exist_ok=True)
-            logs.append(open(child.log, "wb"))  # noqa: SIM115 (closed below)
-            child.proc = subprocess.Popen(
-                child.cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=logs[-1],
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            child.proc = spawn(child.cmd, child.log)
         for round_no in range(rounds):
             for child in children:
                 (folder / f"{round_no}.{child.name}.go").write_text("go\n")
@@ -107,9 +98,7 @@ def run_in_turns(children: list[Child], rounds: int, folder: Path, timeout_s: fl
     finally:
         for child in children:
             if child.proc is not None:
-                _end_group(child.proc)
-        for f in logs:
-            f.close()
+                end_group(child.proc)
     return time.monotonic() - t0
 
 

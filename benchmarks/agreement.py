@@ -40,7 +40,6 @@ How it is measured, the same way for ours and the baseline:
 from __future__ import annotations
 
 import argparse
-import sys
 
 from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.launch.ports import free_port
@@ -133,9 +132,3 @@ def run(args: list[str]) -> list[BenchRecord]:
     for world in opts.worlds:
         records += [_record(row, world) for row in _launch(world, opts)]
     return records
-
-
-if __name__ == "__main__":
-    from gramcoord.benchmarks._contract import format_table
-
-    print(format_table(run(sys.argv[1:])))

@@ -22,7 +22,7 @@ Rows (real Qwen2.5 vocabulary):
   key that is already in flight, which the note shows against one request.
 - ``cold_compile_xgr_cache_on`` vs ``cold_compile_xgr_cache_off``: a
   compile of a dev schema new to both compilers, with xgrammar's cache on
-  (the manager's setting) and off (its setting before issue 11), order
+  (the manager's setting) and off, order
   alternated. Reported only; it is why the cache is on.
 - ``thread_compile`` vs ``subprocess_compile``: a dev schema compiled in a
   worker thread against the same compile in a persistent worker process
@@ -51,7 +51,13 @@ from pathlib import Path
 import xgrammar as xgr
 
 from gramcoord.benchmarks._compile_worker import OUR_COMPILER, CompileWorker
-from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, median_ms
+from gramcoord.benchmarks._contract import (
+    BenchRecord,
+    add_data_arg,
+    dev_labelled,
+    median_ms,
+    round_robin_ms,
+)
 from gramcoord.benchmarks._vllm_path import VLLM_COMPILER, VllmRefail
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
@@ -99,28 +105,11 @@ def _admit(manager: GrammarManager, spec: dict) -> None:
         time.sleep(0.0002)
 
 
-def _interleaved(fns, *, repeat: int, warmup: int = 1) -> list[float]:
-    """Median ms of each function, timed round-robin so that load from other
-    jobs on the machine hits ours and the baseline alike."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, out in zip(fns, samples):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return [statistics.median(s) for s in samples]
-
-
 def _bad_dev_specs(data: Path) -> list[dict]:
     """The dev schemas xgrammar refused when the data was labelled."""
-    labels = [json.loads(x) for x in (data / "schemas-dev.xgrammar-labels.jsonl").open()]
-    lines = (data / "schemas-dev.jsonl").read_text().splitlines()
     return [
-        {"json": json.loads(line)["schema"]}
-        for line, label in zip(lines, labels)
+        {"json": rec["schema"]}
+        for rec, label in dev_labelled(data)
         if label.get("status") not in (None, "ok")
     ]
 
@@ -178,7 +167,7 @@ def _poison_rows(manager: GrammarManager, tokenizer, data: Path, repeat: int) ->
                 raise AssertionError("the bad spec compiled")
 
             first_raise.append(median_ms(recompile, repeat=1, warmup=0))
-            times.append(tuple(_interleaved([ours, refail, cached, recompile], repeat=repeat)))
+            times.append(tuple(round_robin_ms([ours, refail, cached, recompile], repeat=repeat)))
         ours_ms, vllm_ms, sglang_ms, again_ms = (statistics.median(c) for c in zip(*times))
         ratios = [t[1] / t[0] for t in times]
         note = (
@@ -250,7 +239,7 @@ def _dedup_row(manager: GrammarManager, tokenizer, cfg: GrammarConfig, n: int, r
         stock.compile_json_schema(json.dumps(_schema(f"o{next(_counter)}")["json"]))
 
     try:
-        ours_ms, base_ms, one_ms = _interleaved([ours, baseline, stock_one], repeat=repeat)
+        ours_ms, base_ms, one_ms = round_robin_ms([ours, baseline, stock_one], repeat=repeat)
     finally:
         pool.shutdown()
     return BenchRecord.compare(
@@ -271,13 +260,12 @@ def _dedup_row(manager: GrammarManager, tokenizer, cfg: GrammarConfig, n: int, r
 
 
 def _sample(data: Path, limit: int) -> list[str]:
-    lines = (data / "schemas-dev.jsonl").read_text().splitlines()
-    labels = [json.loads(x) for x in (data / "schemas-dev.xgrammar-labels.jsonl").open()]
+    records = list(dev_labelled(data))
     # Every 15th of the full set; denser over the smaller tests/data subset.
-    step = min(15, max(1, len(lines) // limit))
+    step = min(15, max(1, len(records) // limit))
     return [
-        json.dumps(json.loads(line)["schema"])
-        for line, label in list(zip(lines, labels))[::step]
+        json.dumps(rec["schema"])
+        for rec, label in records[::step]
         if label.get("status") == "ok" and label.get("compile_ms", 1e9) <= _SHIP_LABEL_MS
     ][:limit]
 

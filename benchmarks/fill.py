@@ -26,17 +26,16 @@ With the defaults it takes about 30 s on an idle 2-core machine.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
-import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xgrammar as xgr
 
-from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, median_ms
+from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, round_robin_ms
 from gramcoord.benchmarks.jump_forward import dev_records, usable_instances
 from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
@@ -48,17 +47,11 @@ CHUNK = 16
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench fill")
-    add_data_arg(p)
+    add_data_arg(p, max_label_ms=60.0)
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     p.add_argument("--repeat", type=int, default=61, help="timed repeats per figure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-schemas", type=int, default=120, help="schemas compiled at most")
-    p.add_argument(
-        "--max-label-ms",
-        type=float,
-        default=60.0,
-        help="skip schemas whose labelled compile is slower",
-    )
     p.add_argument("--threads", type=int, default=0, help="fill threads (0: builder default)")
     args = p.parse_args(argv)
     args.data = args.data or dev_data_dir()
@@ -76,22 +69,29 @@ def _batch(tokenizer, usable, n: int, rng: random.Random) -> list[GrammarState]:
     return states
 
 
-class _PoolFill:
-    """The measured alternative: chunks of 16 on a thread pool plus the caller."""
+class PoolFill:
+    """The alternative the builder did not keep: chunks of ``CHUNK`` matchers on a
+    thread pool, pulled by ``threads - 1`` workers and the caller (also
+    ``gramcoord bench step``'s ``pool`` strategy)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.pool = ThreadPoolExecutor(max(1, threads - 1))
+        self.pool = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="fill-pool")
 
-    def __call__(self, matchers: list, out: np.ndarray) -> None:
-        chunks = iter(
-            [(lo, min(lo + CHUNK, len(matchers))) for lo in range(0, len(matchers), CHUNK)]
-        )
+    def batch_fill_next_token_bitmask(self, matchers, out, indices=None) -> None:
+        rows = list(range(len(matchers))) if indices is None else list(indices)
+        bounds = [(lo, min(lo + CHUNK, len(matchers))) for lo in range(0, len(matchers), CHUNK)]
+        lock = threading.Lock()
+        it = iter(bounds)
 
         def work() -> None:
-            for lo, hi in chunks:  # list iterators hand out items atomically
-                for i in range(lo, hi):
-                    matchers[i].fill_next_token_bitmask(out, i)
+            while True:
+                with lock:
+                    span = next(it, None)
+                if span is None:
+                    return
+                for j in range(*span):
+                    matchers[j].fill_next_token_bitmask(out, rows[j])
 
         futures = [self.pool.submit(work) for _ in range(self.threads - 1)]
         work()
@@ -99,30 +99,10 @@ class _PoolFill:
             f.result()
 
 
-def _interleaved_medians(fns, *, repeat: int, warmup: int = 2) -> list[float]:
-    """Median ms of each function, timed round-robin so that a change in
-    machine load hits every variant alike (same-run baselines)."""
-    for fn in fns:
-        median_ms(fn, repeat=1, warmup=warmup)
-    samples: list[list[float]] = [[] for _ in fns]
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeat):
-            for fn, out in zip(fns, samples):
-                t0 = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        if enabled:
-            gc.enable()
-    return [statistics.median(x) for x in samples]
-
-
 def _fill_records(args, tokenizer, usable) -> list[BenchRecord]:
     threads = args.threads or default_fill_threads()
     records = []
-    pool = _PoolFill(threads)
+    pool = PoolFill(threads)
     for n in args.batches:
         rng = random.Random(args.seed + n)
         states = _batch(tokenizer, usable, n, rng)
@@ -140,14 +120,16 @@ def _fill_records(args, tokenizer, usable) -> list[BenchRecord]:
         np.testing.assert_array_equal(seq.build(states).bitmask, par.build(states).bitmask)
         bare_fill()
         np.testing.assert_array_equal(bare, seq.build(states).bitmask)
-        t_bare, t_seq, t_par, t_pool = _interleaved_medians(
+        t_bare, t_seq, t_par, t_pool = round_robin_ms(
             [
                 bare_fill,
                 lambda b=seq, s=states: b.build(s),
                 lambda b=par, s=states: b.build(s),
-                lambda ms=matchers, out=bare: pool(ms, out),
+                lambda ms=matchers, out=bare: pool.batch_fill_next_token_bitmask(ms, out),
             ],
             repeat=args.repeat,
+            warmup=3,
+            pause_gc=True,
         )
         note = f"batch {n}, {len(usable)} schemas, {threads} threads"
         records += [

@@ -26,10 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gramcoord.benchmarks._contract import BenchRecord
-
-ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD = ROOT / "configs" / "workload.jsonl"
+from gramcoord.benchmarks._contract import WORKLOAD, BenchRecord
 
 
 class _Timed:
@@ -136,11 +133,3 @@ def run(args: list[str]) -> list[BenchRecord]:
             "step_with_journal", "step_without_journal", m["on"], m["off"], 0.98, note
         ),
     ]
-
-
-if __name__ == "__main__":
-    import sys
-
-    from gramcoord.benchmarks._contract import format_table
-
-    print(format_table(run(sys.argv[1:])))

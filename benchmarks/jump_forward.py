@@ -38,7 +38,7 @@ import msgspec
 import torch
 import xgrammar as xgr
 
-from gramcoord.benchmarks._contract import BenchRecord, add_data_arg
+from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, dev_labelled
 from gramcoord.engine.decoder import GreedyDecoder
 from gramcoord.engine.models import (
     HFModel,
@@ -77,18 +77,12 @@ class Tally(msgspec.Struct, kw_only=True):
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench jump_forward")
-    add_data_arg(p)
+    add_data_arg(p, max_label_ms=60.0)
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--schemas", type=int, default=120, help="dev instances, synthetic model")
     p.add_argument("--hf-schemas", type=int, default=32, help="dev instances, hf model")
     p.add_argument("--max-tokens", type=int, default=1024, help="output limit, synthetic model")
     p.add_argument("--hf-max-tokens", type=int, default=128, help="output limit, hf model")
-    p.add_argument(
-        "--max-label-ms",
-        type=float,
-        default=60.0,
-        help="skip schemas whose labelled compile is slower",
-    )
     args = p.parse_args(argv)
     args.data = args.data or dev_data_dir()
     return args
@@ -96,14 +90,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def dev_records(args: argparse.Namespace) -> list[tuple[str, dict, object]]:
     """(id, schema, first valid instance) of quickly compiling dev schemas."""
-    labels = {}
-    for line in (args.data / "schemas-dev.xgrammar-labels.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        labels[rec["id"]] = rec
     out = []
-    for line in (args.data / "schemas-dev.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        label = labels.get(rec["id"], {})
+    for rec, label in dev_labelled(args.data):
         if label.get("status") != "ok" or label.get("compile_ms", 1e9) > args.max_label_ms:
             continue
         valid = [inst["data"] for inst in rec["instances"] if inst["valid"]]

@@ -34,7 +34,6 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gramcoord.benchmarks._contract import BenchRecord
 
@@ -146,15 +145,9 @@ def _ours(tracer: Tracer) -> None:
 
 
 def _vllm(tracer: Tracer) -> None:
-    from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
+    from gramcoord.benchmarks._vllm_common import CPU_ENV, ENGINE_KW, build_tiny_vllm_model
 
-    for k, v in {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }.items():
+    for k, v in {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
         os.environ.setdefault(k, v)
     from gramcoord.integrations.vllm.plugin import register
 
@@ -164,14 +157,7 @@ def _vllm(tracer: Tracer) -> None:
 
     with tempfile.TemporaryDirectory(prefix="gramcoord-path-") as tmp:
         model = build_tiny_vllm_model(Path(tmp) / "model")
-        llm = LLM(
-            model=str(model),
-            dtype="float32",
-            max_model_len=512,
-            enforce_eager=True,
-            seed=0,
-            structured_outputs_config={"backend": "gramcoord"},
-        )
+        llm = LLM(str(model), structured_outputs_config={"backend": "gramcoord"}, **ENGINE_KW)
 
         def params(i: int) -> SamplingParams:
             schema = dict(_SCHEMA, title=f"r{i}")
@@ -264,12 +250,3 @@ def run(args: list[str]) -> list[BenchRecord]:
             )
         )
     return records
-
-
-def main(argv: list[str] | None = None) -> Any:
-    for r in run(list(sys.argv[1:] if argv is None else argv)):
-        print(r.name, r.note)
-
-
-if __name__ == "__main__":
-    main()

@@ -392,9 +392,3 @@ def _summary(opts, series) -> None:
                 f"p{pending}: best flat / best two-level by ranks {{{shown}}}; "
                 f"two-level faster by > {WIN_MARGIN - 1:.0%} at ranks {wins}"
             )
-
-
-if __name__ == "__main__":
-    from gramcoord.benchmarks._contract import format_table
-
-    print(format_table(run(sys.argv[1:])))

@@ -8,12 +8,14 @@ builds ``n`` hosts on this machine (docs/scaling.md), each with:
 - its own address on a documentation range (``192.0.2.0/24``, never a real
   network), on one veth pair to a private switch: a bridge inside a switch
   namespace of its own, so nothing is added to the machine's own namespace;
-- its own hostname: commands run under ``unshare --uts`` and set it first;
+- its own hostname, which what runs there takes in a UTS namespace of its
+  own (``gramcoord bench scale --hosts``: ``_scale_hosts.enter_host``);
 - an ``/etc/netns/<ns>/hosts`` listing every simulated host, which
   ``ip netns exec`` mounts over ``/etc/hosts`` (c10d resolves hostnames).
 
-``partition(i)`` takes host ``i``'s link down (``heal(i)`` brings it back).
-Everything is torn down on ``close`` / ``__exit__`` and at interpreter exit
+The tests' subclass (``tests/simulated_hosts.py``) adds running commands on
+a host, and partitions. Everything is torn down on ``close`` / ``__exit__``
+and at interpreter exit
 (names carry a fixed prefix, so what a killed process left behind can be
 found with ``ip netns list``). Needs root and namespace support; ``available()`` says
 whether this machine has them. Traffic goes only to the hosts' own
@@ -29,7 +31,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
 from pathlib import Path
 
 PREFIX = "gcsim"
@@ -96,9 +97,6 @@ class SimulatedHosts:
         self._switch = f"{PREFIX}{tag}sw"
         self._links = [f"{PREFIX[:2]}{tag}s{i}" for i in range(n)]  # switch side, <= 15 chars
         self._closed = False
-        # What popen started: killed by pid at close, since one that has not
-        # yet entered its namespace is not among the namespace's pids.
-        self._started: list[subprocess.Popen] = []
         atexit.register(self.close)
         try:
             self._build(tag)
@@ -116,19 +114,9 @@ class SimulatedHosts:
             _ip("netns", "add", ns)
             peer = f"{PREFIX[:2]}{tag}p"
             _ip(
-                "link",
-                "add",
-                link,
-                "netns",
-                self._switch,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                peer,
-                "netns",
-                ns,
-            )
+                "link", "add", link, "netns", self._switch,
+                "type", "veth", "peer", "name", peer, "netns", ns,
+            )  # fmt: skip
             _ip("link", "set", link, "master", "br0", "up", ns=self._switch)
             _ip("link", "set", peer, "name", "eth0", ns=ns)
             _ip("addr", "add", f"{addr}/24", "dev", "eth0", ns=ns)
@@ -138,48 +126,11 @@ class SimulatedHosts:
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(hosts)
 
-    # -- running things on a host ------------------------------------------------
-
-    def command(self, host: int, argv: Sequence[str]) -> list[str]:
-        """The argv that runs ``argv`` on host ``host`` (its namespace and hostname)."""
-        return [
-            "ip", "netns", "exec", self.namespaces[host],
-            "unshare", "--uts", "--",
-            "sh", "-c", f'hostname {self.names[host]} && exec "$@"', "sh", *argv,
-        ]  # fmt: skip
-
-    def run(self, host: int, argv: Sequence[str], *, timeout: float = 60, **kw):
-        """Run ``argv`` on host ``host`` to completion (``subprocess.run``)."""
-        kw.setdefault("capture_output", True)
-        kw.setdefault("text", True)
-        return subprocess.run(self.command(host, argv), timeout=timeout, **kw)
-
-    def popen(self, host: int, argv: Sequence[str], **kw) -> subprocess.Popen:
-        """Start ``argv`` on host ``host``; ``close`` kills whatever still runs there."""
-        proc = subprocess.Popen(self.command(host, argv), **kw)
-        self._started.append(proc)
-        return proc
-
-    # -- faults ------------------------------------------------------------------
-
-    def partition(self, host: int) -> None:
-        """Cut host ``host`` off the switch (its link goes down)."""
-        _ip("link", "set", self._links[host], "down", ns=self._switch)
-
-    def heal(self, host: int) -> None:
-        """Reconnect host ``host``."""
-        _ip("link", "set", self._links[host], "up", ns=self._switch)
-
-    # -- teardown ----------------------------------------------------------------
-
     def close(self) -> None:
         """Kill every process on the hosts and remove every namespace and file. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for proc in self._started:
-            if proc.poll() is None:
-                proc.kill()  # the same pid whatever it has exec'd into
         for ns in [*self.namespaces, self._switch]:
             _teardown_ns(ns)
         atexit.unregister(self.close)

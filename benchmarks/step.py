@@ -51,7 +51,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from gramcoord.benchmarks._contract import BenchRecord, format_table, package_dir
+from gramcoord.benchmarks._contract import WORKLOAD, BenchRecord
 from gramcoord.benchmarks._step_common import (
     RankRun,
     forward_ms,
@@ -63,11 +63,6 @@ from gramcoord.benchmarks._step_ranks import DP, TP, WorldOptions
 from gramcoord.launch.procs import run_ranks
 from gramcoord.rank_worker.masks.bitmask import DEFAULT_PARALLEL_THRESHOLD, default_fill_threads
 
-# The shipped workload: installed with the package, or in the checkout.
-WORKLOAD = (
-    package_dir("gramcoord.configs", "workload.jsonl")
-    or Path(__file__).resolve().parents[1] / "configs"
-) / "workload.jsonl"
 FLOOR_TARGET = round(1 / 1.2, 3)
 
 
@@ -328,7 +323,3 @@ def run(args: list[str]) -> list[BenchRecord]:
         print("outputs differ between runs; the figures are not comparable", file=sys.stderr)
         raise
     return out
-
-
-if __name__ == "__main__":
-    print(format_table(run(sys.argv[1:])))

@@ -26,16 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-from gramcoord.benchmarks._contract import BenchRecord  # noqa: E402
-from gramcoord.launch.procs import run_ranks  # noqa: E402
-
-WORKLOAD = ROOT / "configs" / "workload.jsonl"
+from gramcoord.benchmarks._contract import WORKLOAD, BenchRecord
+from gramcoord.launch.procs import run_ranks
 
 
 def _requests(limit: int) -> list[tuple[str, dict, str | None]]:
@@ -145,9 +139,3 @@ def run(args: list[str]) -> list[BenchRecord]:
             note=note,
         )
     ]
-
-
-if __name__ == "__main__":
-    from gramcoord.benchmarks._contract import format_table
-
-    print(format_table(run(sys.argv[1:])))

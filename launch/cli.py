@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     # `gramcoord bench NAME --help` shows that benchmark's own options.
     bench = sub.add_parser(
         "bench",
-        help="run benchmark NAME (benchmarks/NAME.py), or all of them, and write bench.json",
+        help="run benchmark NAME (benchmarks/NAME.py or NAME_bench.py), or all, and write bench.json",
         add_help=False,
     )
     bench.add_argument("name", nargs="?", help="a benchmark, or 'all'")

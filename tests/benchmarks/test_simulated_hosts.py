@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from gramcoord.benchmarks.simulated_hosts import NETNS_ETC, PREFIX, SimulatedHosts, available
+from gramcoord.benchmarks.simulated_hosts import NETNS_ETC, PREFIX, available
 from tests.load import scaled
+from tests.simulated_hosts import SimulatedHosts
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gramcoord.benchmarks.simulated_hosts import SimulatedHosts
+from tests.simulated_hosts import SimulatedHosts
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from gramcoord.benchmarks._vllm_common import ENGINE_KW
 from tests.dev_data import schema
 from tests.integrations.vllm.tiny_model import (
     COMPILE_DEADLINE,
     CPU_ENV,
-    ENGINE_KW,
     build_tiny_model,
 )
 

@@ -67,7 +67,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from tests.integrations.vllm.tiny_model import ENGINE_KW
+    from gramcoord.benchmarks._vllm_common import ENGINE_KW
 
     gramcoord = {
         "grammar": {"compile_timeout_s": 3.0, "compile_wall_timeout_s": 3600.0},

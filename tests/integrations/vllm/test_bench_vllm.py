@@ -5,7 +5,7 @@ requests; no timing is asserted, only that every record is there with its
 figures and the head record carries the design's target. The TP=2
 head-of-line part (two more engine pairs under torchrun) runs in the
 benchmark itself; its records' shape is checked without an engine in
-``tests/launch/test_bench_vllm.py``.
+``tests/benchmarks/test_bench_vllm.py``.
 """
 
 from __future__ import annotations

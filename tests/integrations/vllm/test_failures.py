@@ -19,8 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from gramcoord.benchmarks._vllm_common import ENGINE_KW
 from tests.integrations.vllm.conftest import FAULT_BREAK, FAULT_HANG, engine_backend
-from tests.integrations.vllm.tiny_model import ENGINE_KW
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,6 +12,7 @@ import fcntl
 from collections.abc import Iterator
 from pathlib import Path
 
+from gramcoord.benchmarks._vllm_common import CPU_ENV as BENCH_CPU_ENV
 from gramcoord.benchmarks._vllm_common import EOS_ID
 from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model as build_tiny_model
 from gramcoord.launch.ports import free_port
@@ -19,7 +20,6 @@ from gramcoord.launch.ports import free_port
 __all__ = [
     "COMPILE_DEADLINE",
     "CPU_ENV",
-    "ENGINE_KW",
     "EOS_ID",
     "build_tiny_model",
     "free_port",
@@ -27,15 +27,9 @@ __all__ = [
     "vllm_cpu_shm",
 ]
 
-# What vLLM's CPU build needs here (docs/vllm.md, Tests); set before importing vLLM.
-CPU_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "OMP_NUM_THREADS": "1",
-}
+# What vLLM's CPU build needs here (docs/vllm.md, Tests): the benchmark's, with
+# in-process engines and one OpenMP thread; set before importing vLLM.
+CPU_ENV = {**BENCH_CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 # The compile deadline of the engines whose tests expect their schemas to
 # compile. compile_timeout_s counts a compile's own time (not what its
 # thread waited for a CPU), which no schema known to compile reaches; the
@@ -44,12 +38,6 @@ CPU_ENV = {
 # 30 runnable nice-0 tasks it gets well under a hundredth of a core, so a
 # one-second compile takes minutes on the wall clock.
 COMPILE_DEADLINE: dict[str, float] = {"compile_timeout_s": 60.0, "compile_wall_timeout_s": 3600.0}
-ENGINE_KW: dict[str, object] = {
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "enforce_eager": True,
-    "seed": 0,
-}
 
 
 def remove_unmapped_vllm_shm() -> list[str]:
