@@ -1,6 +1,6 @@
 """What the three step loops of ``gramcoord bench step`` share.
 
-- ``BenchRequest`` and ``load_requests``: the workload slice every way runs
+- ``BenchRequest`` and ``bench_requests``: the workload slice every way runs
   (the constrained json / regex records of ``configs/workload.jsonl`` that
   are not meant to fail), optionally copied under new ids;
 - ``RunClock``: wraps the logits source and the sampler on every rank and
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import xgrammar as xgr
 
+from gramcoord.engine.acceptance import finish_reason
 from gramcoord.engine.models import ModelRequest, SyntheticModel
 from gramcoord.engine.requests import EngineRequest
 from gramcoord.engine.sampler import Sampler
@@ -69,7 +70,7 @@ class BenchRequest(msgspec.Struct, frozen=True, kw_only=True):
         return ModelRequest(self.request_id, (), self.reference)
 
 
-def load_requests(
+def bench_requests(
     path: Path, *, limit: int = 0, copies: int = 1, max_tokens: int = 0
 ) -> list[BenchRequest]:
     """The constrained json / regex records of ``path`` that should succeed.
@@ -145,19 +146,6 @@ class Compiler:
         return self.compiler.compile_regex(request.text)
 
 
-def finish_reason(
-    token: int, *, terminated: bool, length: int, max_tokens: int, stop_ids: frozenset[int]
-) -> str | None:
-    """Why a request ends after taking ``token`` (K = 0), or None."""
-    if terminated:
-        return "grammar_end"
-    if token in stop_ids:
-        return "stop"
-    if length >= max_tokens:
-        return "length"
-    return None
-
-
 class Output(msgspec.Struct, frozen=True):
     """What the three ways must agree on, per request."""
 
@@ -173,8 +161,8 @@ def take_token(req, token: int, stop_ids: frozenset[int]) -> Output | None:
         return Output("failed", "error", list(req.out))
     req.out.append(token)
     reason = finish_reason(
-        token,
         terminated=req.matcher.is_terminated(),
+        accepted=(token,),
         length=len(req.out),
         max_tokens=req.request.max_tokens,
         stop_ids=stop_ids,

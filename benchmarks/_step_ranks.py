@@ -16,7 +16,7 @@ import datetime
 import msgspec
 import torch.distributed as dist
 
-from gramcoord.benchmarks._step_common import KERNEL_HOOK, RankRun, load_requests
+from gramcoord.benchmarks._step_common import KERNEL_HOOK, RankRun, bench_requests
 from gramcoord.benchmarks._step_lower_bound import FloorRun, measure_floor
 from gramcoord.benchmarks._step_ours import run_ours
 from gramcoord.benchmarks._step_sglang import run_sglang
@@ -82,7 +82,7 @@ def child(rank: int, world: int, opts: WorldOptions) -> WorldResult:
     """Entry of every rank (``run_ranks`` made the gloo world)."""
     assert world == DP * TP, world
     tokenizer = load_tokenizer()
-    requests = load_requests(
+    requests = bench_requests(
         opts.workload, limit=opts.limit, copies=opts.copies, max_tokens=opts.max_tokens
     )
     KERNEL_HOOK.install()

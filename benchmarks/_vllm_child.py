@@ -8,7 +8,7 @@ rounds: constrained (one JSON schema each) and plain (the same prompts, no
 constraint), interleaved, after one warm-up round of each. Every request
 decodes exactly ``--max-tokens`` tokens (``ignore_eos``), so each step of a
 round has the same batch. With gramcoord, its per-step hook
-(``GramcoordBackend.before_schedule``) is timed too (``hook``). Writes JSON:
+(``VllmBackend.before_schedule``) is timed too (``hook``). Writes JSON:
 per phase, per timer, every sample (ms); and the constrained outputs' token
 ids, to compare backends. With ``--turns DIR`` each round waits for its turn
 (``_vllm_turns``): the parent alternates the two backends' rounds.
@@ -77,9 +77,9 @@ def _parse_step(argv: list[str]) -> argparse.Namespace:
 
 def _time_hook(timers: Timers) -> None:
     """Time gramcoord's per-step hook (``before_schedule``: the agreement) as ``hook``."""
-    from gramcoord.integrations.vllm.backend import GramcoordBackend
+    from gramcoord.integrations.vllm.backend import VllmBackend
 
-    timers.wrap(GramcoordBackend, "before_schedule", "hook")
+    timers.wrap(VllmBackend, "before_schedule", "hook")
 
 
 def _time_digests(timers: Timers) -> None:

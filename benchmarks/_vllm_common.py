@@ -244,7 +244,7 @@ def _accepted(schema: Any) -> bool:
         has_xgrammar_unsupported_json_features,
     )
 
-    from gramcoord.integrations.vllm.backend import grammar_config
+    from gramcoord.integrations.vllm.backend import vllm_grammar_config
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
     if not isinstance(schema, dict) or has_xgrammar_unsupported_json_features(schema):
@@ -252,7 +252,7 @@ def _accepted(schema: Any) -> bool:
     try:
         # The plugin's own front-end rules (it refuses what xgrammar would
         # not enforce).
-        validate_spec({"json": schema}, grammar_config(False))
+        validate_spec({"json": schema}, vllm_grammar_config(False))
     except Exception:
         return False
     return True

@@ -179,12 +179,12 @@ def _sglang(tracer: Tracer) -> None:
     import time
 
     from gramcoord.integrations.hf.tokenizer import qwen25_hf_tokenizer
-    from gramcoord.integrations.sglang.backend import GramcoordBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend
 
     vocab = 151_936
     tokenizer = qwen25_hf_tokenizer()
     brace = tokenizer.encode("{", add_special_tokens=False)[0]
-    backend = GramcoordBackend(tokenizer, vocab, [151645, 151643])
+    backend = SglangBackend(tokenizer, vocab, [151645, 151643])
 
     def one(i: int) -> None:
         key = ("json", json.dumps(dict(_SCHEMA, title=f"r{i}")))

@@ -54,8 +54,8 @@ from pathlib import Path
 from gramcoord.benchmarks._contract import WORKLOAD, BenchRecord
 from gramcoord.benchmarks._step_common import (
     RankRun,
+    bench_requests,
     forward_ms,
-    load_requests,
     step_samples_ms,
 )
 from gramcoord.benchmarks._step_ours import STRATEGIES
@@ -271,7 +271,7 @@ def _world(
     rounds: int,
     floor: bool,
 ) -> tuple[list, WorldOptions]:
-    requests = load_requests(a.workload, limit=a.limit, copies=copies, max_tokens=max_tokens)
+    requests = bench_requests(a.workload, limit=a.limit, copies=copies, max_tokens=max_tokens)
     if not requests:
         raise SystemExit(f"no usable json / regex records in {a.workload}")
     opts = WorldOptions(
@@ -306,7 +306,7 @@ def run(args: list[str]) -> list[BenchRecord]:
         )
         out = way_records(results, opts)
         if a.strategies:
-            base = len(load_requests(a.workload, limit=a.limit))
+            base = len(bench_requests(a.workload, limit=a.limit))
             # Batches must start past the threshold, with a margin: the
             # parallel path is what the strategies change.
             copies = a.fill_copies or -(-(DEFAULT_PARALLEL_THRESHOLD + 8) * DP // base)

@@ -92,6 +92,7 @@ from gramcoord.rank_worker.session.types import SessionConfig
 
 __all__ = ["FailedRows", "GenerateSession", "GenerationResult", "GrammarLogitsProcessor"]
 
+
 class GenerateSession:
     """One rank's structured-output session around Hugging Face ``generate``.
 

@@ -1,6 +1,6 @@
 """gramcoord as an SGLang 0.5.23 grammar backend: real subclasses of SGLang's classes.
 
-``create_grammar_backend`` builds ``GramcoordBackend`` through the registry
+``create_grammar_backend`` builds ``SglangBackend`` through the registry
 (``plugin.register``). The vocabulary, stop ids, whitespace options and
 compile calls are SGLang's own: an ``XGrammarGrammarBackend`` inside
 supplies the tokenizer info and compiles each key exactly as SGLang's
@@ -85,7 +85,7 @@ from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
 from gramcoord.rank_worker.session.futures import GrammarFutures
 from gramcoord.rank_worker.session.leader import StageLeader
 
-__all__ = ["AgreedFuture", "GramcoordBackend", "GramcoordGrammar", "grammar_config", "spec_of"]
+__all__ = ["AgreedFuture", "SglangBackend", "SglangGrammar", "sglang_grammar_config", "sglang_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,19 +96,19 @@ _TIMED_OUT = "Grammar preprocessing timed out"
 # only an embedder's config turns the refusal on, and the same place turns it off.
 UNENFORCED_HINT = (
     "Remove these keywords, or build the backend with "
-    "grammar_config(reject_ignored_features=False) (gramcoord.integrations.sglang.backend), "
+    "sglang_grammar_config(reject_ignored_features=False) (gramcoord.integrations.sglang.backend), "
     "as SGLang's --grammar-backend gramcoord does; SGLang's launch has no flag for "
     "gramcoord's options"
 )
 
 
-def grammar_config(**options: Any) -> GrammarConfig:
+def sglang_grammar_config(**options: Any) -> GrammarConfig:
     """The ``GrammarConfig`` for SGLang: the host decides which schemas it enforces.
 
     ``reject_ignored_features`` is off: SGLang's own schema check runs at
     compile and refuses what it does not enforce, and what it admits that
     the grammar enforces in part is checked at the end
-    (``GramcoordGrammar.accept_token``); a compile pool of 2+
+    (``SglangGrammar.accept_token``); a compile pool of 2+
     so one slow compile does not queue the fast ones behind it, whose
     threads run at nice +10 so a compile storm cannot starve the scheduler.
     """
@@ -119,7 +119,7 @@ def grammar_config(**options: Any) -> GrammarConfig:
     return msgspec.convert({**options, "compile_mode": "async"}, GrammarConfig)
 
 
-def spec_of(key: tuple[str, str]) -> dict[str, Any] | None:
+def sglang_spec(key: tuple[str, str]) -> dict[str, Any] | None:
     """The gramcoord spec of SGLang's grammar key, or ``None`` for a kind SGLang refuses."""
     key_type, text = key
     if key_type == "json":
@@ -158,7 +158,7 @@ class AgreedFuture(Future):
         return super().cancel()
 
 
-class GramcoordGrammar(XGrammarGrammar):
+class SglangGrammar(XGrammarGrammar):
     """One request's matcher: SGLang's own ``XGrammarGrammar``, so every
     per-token behaviour SGLang's scheduler, batch and speculative code reads
     is SGLang's; gramcoord decides only when it exists.
@@ -182,7 +182,7 @@ class GramcoordGrammar(XGrammarGrammar):
         if why is not None:
             raise ValueError(f"gramcoord {ErrorCode.schema_breach.name}: {why}")
 
-    def copy(self) -> GramcoordGrammar:
+    def copy(self) -> SglangGrammar:
         """A fresh matcher on the shared compiled grammar (SGLang's cache semantics)."""
         matcher = GrammarMatcher(
             self.ctx,
@@ -192,7 +192,7 @@ class GramcoordGrammar(XGrammarGrammar):
         stats = self.grammar_stats
         if stats is not None:
             stats = dataclasses.replace(stats, is_cache_hit=True, tree_traversal_time=[])
-        grammar = GramcoordGrammar(
+        grammar = SglangGrammar(
             matcher, self.vocab_size, self.ctx, self.override_stop_tokens, self.key_string, stats
         )
         grammar.check, grammar.decode = self.check, self.decode
@@ -204,7 +204,7 @@ class GramcoordGrammar(XGrammarGrammar):
         vocab_mask.fill_(-1)
 
 
-class GramcoordBackend(BaseGrammarBackend):
+class SglangBackend(BaseGrammarBackend):
     """SGLang's ``BaseGrammarBackend`` over a gramcoord ``StageLeader``.
 
     Parameters
@@ -214,7 +214,7 @@ class GramcoordBackend(BaseGrammarBackend):
     any_whitespace, max_whitespace_cnt:
         SGLang's ``constrained_json_*`` options.
     config:
-        gramcoord's grammar options (``grammar_config()`` by default).
+        gramcoord's grammar options (``sglang_grammar_config()`` by default).
     group:
         SGLang's sync group as a gloo process group; ``None`` decides alone.
     compile_hook:
@@ -245,7 +245,7 @@ class GramcoordBackend(BaseGrammarBackend):
         # SGLang's own compiles, with JSON strings kept free of raw control characters.
         self.host.grammar_compiler = SafeStrings(self.host.grammar_compiler)
         self.vocab_size = vocab_size
-        self.config = config or grammar_config()
+        self.config = config or sglang_grammar_config()
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         compile_fn: CompileFn = self._compile
         if compile_hook is not None:
@@ -275,14 +275,14 @@ class GramcoordBackend(BaseGrammarBackend):
 
     def _from_ctx(
         self, ctx: CompiledGrammar, key: tuple[str, str], hit: bool, check: str | None
-    ) -> GramcoordGrammar:
+    ) -> SglangGrammar:
         matcher = GrammarMatcher(
             ctx,
             max_rollback_tokens=MAX_ROLLBACK_TOKENS,
             override_stop_tokens=self.host.override_stop_tokens,
         )
         stats = GrammarStats(dispatch_type=key[0], is_cache_hit=hit)
-        grammar = GramcoordGrammar(
+        grammar = SglangGrammar(
             matcher, self.vocab_size, ctx, self.host.override_stop_tokens, key[1], stats
         )
         if check is not None:
@@ -293,7 +293,7 @@ class GramcoordBackend(BaseGrammarBackend):
         """An output's text as SGLang's detokenizer gives it (special tokens skipped)."""
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _admitted(self, outcome: Outcome) -> GramcoordGrammar:
+    def _admitted(self, outcome: Outcome) -> SglangGrammar:
         rid = outcome.request_id
         try:
             compiled, key = self.leader.compiled(rid), self._keys.pop(rid)
@@ -319,7 +319,7 @@ class GramcoordBackend(BaseGrammarBackend):
         self, key: tuple[str, str], require_reasoning: bool
     ) -> tuple[BaseGrammarObject | Future, bool]:
         """A cached grammar (or a cached refusal), else an ``AgreedFuture``."""
-        spec = spec_of(key)
+        spec = sglang_spec(key)
         if spec is None:
             done: Future = Future()
             done.set_result(InvalidGrammarObject(f"Invalid key_type: {key[0]}"))
@@ -346,7 +346,7 @@ class GramcoordBackend(BaseGrammarBackend):
         """Admitted grammars are cached at the decision; a timeout poisons for a TTL."""
         if not isinstance(value, InvalidGrammarObject) or value.error_message != _TIMED_OUT:
             return
-        spec = spec_of(key)
+        spec = sglang_spec(key)
         if spec is not None:
             self.leader.poison(spec, ErrorCode.grammar_timeout, _TIMED_OUT)
 

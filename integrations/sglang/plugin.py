@@ -151,7 +151,7 @@ def create_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_
     """
     from sglang.srt.runtime_context import get_parallel, get_serving
 
-    from gramcoord.integrations.sglang.backend import GramcoordBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend
 
     serving = get_serving()
     # create_grammar_backend wraps only its built-in backends in its reasoner
@@ -168,7 +168,7 @@ def create_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_
             "--grammar-backend gramcoord does not support pipeline parallelism "
             "(--pp-size > 1) yet; use --grammar-backend xgrammar there"
         )
-    return GramcoordBackend(
+    return SglangBackend(
         tokenizer,
         vocab_size,
         eos_token_ids,

@@ -1,6 +1,6 @@
 """gramcoord as a vLLM 0.32 structured-output backend: real subclasses of vLLM's ABCs.
 
-vLLM builds ``GramcoordBackend(vllm_config, tokenizer, vocab_size)``. The
+vLLM builds ``VllmBackend(vllm_config, tokenizer, vocab_size)``. The
 vocabulary, stop ids and compile calls are vLLM's own (an
 ``XgrammarBackend`` inside supplies the tokenizer info and the calls), so
 outputs are token-identical to vLLM + xgrammar; only the compiler under
@@ -29,7 +29,7 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
-from gramcoord.integrations.vllm.options import front_end_config, grammar_config, parse
+from gramcoord.integrations.vllm.options import front_end_config, parse, vllm_grammar_config
 from gramcoord.integrations.vllm.replicas import replica_poison
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
@@ -48,12 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMPILE_THREADS",
-    "GramcoordBackend",
-    "GramcoordGrammar",
     "GrammarInitError",
+    "VllmBackend",
+    "VllmGrammar",
     "front_end_config",
-    "grammar_config",
     "own_compiler",
+    "vllm_grammar_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class GrammarInitError(RuntimeError):
         self.message = message
 
 
-def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[str, Any]:
+def vllm_spec(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[str, Any]:
     """The gramcoord spec (vLLM field names) of a vLLM structured-output key."""
     kind = request_type.name.lower()
     if kind == "json_object":
@@ -119,7 +119,7 @@ def spec_of(request_type: StructuredOutputOptions, grammar_spec: str) -> dict[st
 
 
 @dataclass
-class GramcoordGrammar(XgrammarGrammar):
+class VllmGrammar(XgrammarGrammar):
     """One request's matcher: vLLM's own ``XgrammarGrammar`` (accept, validate,
     rollback, tokens after termination, bitmask fill), so the engine's
     per-token behaviour is exactly vLLM's; gramcoord decides only when it
@@ -158,7 +158,7 @@ class GramcoordGrammar(XgrammarGrammar):
 
 
 @dataclass
-class GramcoordBackend(StructuredOutputBackend):
+class VllmBackend(StructuredOutputBackend):
     """vLLM's ``StructuredOutputBackend`` over a gramcoord ``StageLeader``."""
 
     group: Any = None
@@ -202,7 +202,7 @@ class GramcoordBackend(StructuredOutputBackend):
         self._stops: dict[str, set[int] | None] = {}
         # End-checked grammars by request, and the breaches of those freed
         # since the engine step's outputs were last read (failures.py).
-        self._checked: dict[str, GramcoordGrammar] = {}
+        self._checked: dict[str, VllmGrammar] = {}
         self.breaches: dict[str, str] = {}
         logger.info(
             "gramcoord backend: vocabulary %s, agreement group of %d, %d compile workers",
@@ -227,14 +227,14 @@ class GramcoordBackend(StructuredOutputBackend):
 
     def _grammar(
         self, ctx: xgr.CompiledGrammar, stop_token_ids: set[int] | None, request_id: str = ""
-    ) -> GramcoordGrammar:
+    ) -> VllmGrammar:
         """vLLM's grammar object over ``ctx``: one matcher, rollback for the drafts."""
         matcher = xgr.GrammarMatcher(
             ctx,
             override_stop_tokens=list(stop_token_ids) if stop_token_ids else None,
             max_rollback_tokens=self.num_speculative_tokens,
         )
-        return GramcoordGrammar(
+        return VllmGrammar(
             vocab_size=self.vocab_size, matcher=matcher, ctx=ctx, request_id=request_id
         )
 
@@ -256,9 +256,11 @@ class GramcoordBackend(StructuredOutputBackend):
         request_type, grammar_spec = sor.structured_output_key
         params = request.sampling_params
         self._stops[request.request_id] = params.all_stop_token_ids if params is not None else None
-        sor.grammar = self.grammars.submit(request.request_id, spec_of(request_type, grammar_spec))
+        sor.grammar = self.grammars.submit(
+            request.request_id, vllm_spec(request_type, grammar_spec)
+        )
 
-    def _admitted(self, outcome: Outcome) -> GramcoordGrammar:
+    def _admitted(self, outcome: Outcome) -> VllmGrammar:
         rid = outcome.request_id
         grammar = self._grammar(self.leader.compiled(rid), self._stops.pop(rid, None), rid)
         if outcome.end_check is not None:

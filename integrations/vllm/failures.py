@@ -110,10 +110,10 @@ def _failure_class() -> type:
 
 def _grammar_errors(scheduler: Any) -> dict[str, Any]:
     """The requests this step finishes for a failed gramcoord grammar, and why."""
-    from gramcoord.integrations.vllm.backend import GramcoordBackend, GrammarInitError
+    from gramcoord.integrations.vllm.backend import GrammarInitError, VllmBackend
 
     backend = scheduler.structured_output_manager.backend
-    digests = backend.digests if isinstance(backend, GramcoordBackend) else None
+    digests = backend.digests if isinstance(backend, VllmBackend) else None
     found = {}
     for rid in scheduler.grammar_compile_error_reqs:
         request = scheduler.requests.get(rid)
@@ -164,10 +164,10 @@ def _wrap_scheduler() -> None:
 
 
 def _take_breaches(scheduler: Any) -> dict[str, str]:
-    from gramcoord.integrations.vllm.backend import GramcoordBackend
+    from gramcoord.integrations.vllm.backend import VllmBackend
 
     backend = scheduler.structured_output_manager.backend
-    return backend.take_breaches() if isinstance(backend, GramcoordBackend) else {}
+    return backend.take_breaches() if isinstance(backend, VllmBackend) else {}
 
 
 def _fail_breaches(outputs: Any, breaches: dict[str, str], finish: Any) -> None:

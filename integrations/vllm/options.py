@@ -31,9 +31,9 @@ __all__ = [
     "ENGINE_OPTIONS",
     "GramcoordOptions",
     "OptionsError",
-    "grammar_config",
     "install",
     "parse",
+    "vllm_grammar_config",
 ]
 
 # Options of additional_config["gramcoord"]["grammar"] that do not change
@@ -94,7 +94,7 @@ def _convert(value: Any, typ: type, where: str) -> Any:
         raise OptionsError(field, text) from None
 
 
-def grammar_config(disable_any_whitespace: bool, options: Any = None) -> GrammarConfig:
+def vllm_grammar_config(disable_any_whitespace: bool, options: Any = None) -> GrammarConfig:
     """The ``GrammarConfig`` for vLLM: vLLM's whitespace rule, a compile pool of 2+
     whose threads run at nice +10, refusals worded for vLLM.
 
@@ -125,7 +125,7 @@ def grammar_config(disable_any_whitespace: bool, options: Any = None) -> Grammar
     options.setdefault("num_compile_workers", max(2, (os.cpu_count() or 2) // 2))
     options.setdefault("compile_nice", 10)
     # What xgrammar would not enforce is served, and the finished output is
-    # checked against the schema in the engine (backend.GramcoordGrammar sees
+    # checked against the schema in the engine (backend.VllmGrammar sees
     # every token it accepts; failures.py turns a breach into an error).
     fixed = {
         "compile_mode": "async",
@@ -139,7 +139,7 @@ def grammar_config(disable_any_whitespace: bool, options: Any = None) -> Grammar
 @functools.cache
 def front_end_config(disable_any_whitespace: bool) -> GrammarConfig:
     """The config vLLM's front end validates every request with (made once per option)."""
-    return grammar_config(disable_any_whitespace)
+    return vllm_grammar_config(disable_any_whitespace)
 
 
 def parse(section: Any, disable_any_whitespace: bool = False) -> GramcoordOptions:
@@ -158,7 +158,7 @@ def parse(section: Any, disable_any_whitespace: bool = False) -> GramcoordOption
         if name not in SECTIONS:
             raise OptionsError(f"gramcoord.{name}", f"unknown field; use {', '.join(SECTIONS)}")
     return GramcoordOptions(
-        grammar=grammar_config(disable_any_whitespace, section.get("grammar")),
+        grammar=vllm_grammar_config(disable_any_whitespace, section.get("grammar")),
         faults=_convert(section.get("faults", {}), FaultsConfig, "gramcoord.faults"),
         distributed=_convert(
             section.get("distributed", {}), DistributedConfig, "gramcoord.distributed"

@@ -79,7 +79,7 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "vllm.v1.structured_output",
         "StructuredOutputManager.grammar_init",
         ("self", "request"),
-        "builds GramcoordBackend before the if/elif; the grammar slot gets our Future",
+        "builds VllmBackend before the if/elif; the grammar slot gets our Future",
     ),
     (
         "vllm.v1.core.sched.scheduler",
@@ -316,7 +316,7 @@ def agreement_group(vllm_config: Any) -> Any | None:
 def _wrap_manager() -> None:
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from gramcoord.integrations.vllm.backend import GramcoordBackend
+    from gramcoord.integrations.vllm.backend import VllmBackend
 
     original = StructuredOutputManager.grammar_init
 
@@ -326,7 +326,7 @@ def _wrap_manager() -> None:
         if sor is None:
             return original(self, request)
         if self.backend is None and sor.params._backend == NAME:
-            self.backend = GramcoordBackend(
+            self.backend = VllmBackend(
                 self.vllm_config,
                 tokenizer=self.tokenizer,
                 vocab_size=self.vllm_config.model_config.get_vocab_size(),
@@ -334,7 +334,7 @@ def _wrap_manager() -> None:
             )
             # The agreement makes async compile safe under external_launcher.
             self._use_async_grammar_compilation = True
-        if isinstance(self.backend, GramcoordBackend):
+        if isinstance(self.backend, VllmBackend):
             return self.backend.admit(request)
         return original(self, request)
 
@@ -344,7 +344,7 @@ def _wrap_manager() -> None:
 def _wrap_scheduler() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from gramcoord.integrations.vllm.backend import GramcoordBackend
+    from gramcoord.integrations.vllm.backend import VllmBackend
 
     schedule = Scheduler.schedule
     free = Scheduler._free_request
@@ -353,14 +353,14 @@ def _wrap_scheduler() -> None:
     @functools.wraps(schedule)
     def scheduled(self, *args, **kwargs):
         backend = self.structured_output_manager.backend
-        if isinstance(backend, GramcoordBackend):
+        if isinstance(backend, VllmBackend):
             backend.before_schedule(self.get_num_unfinished_requests())
         return schedule(self, *args, **kwargs)
 
     @functools.wraps(free)
     def freed(self, request, *args, **kwargs):
         backend = self.structured_output_manager.backend
-        if isinstance(backend, GramcoordBackend) and request.structured_output_request:
+        if isinstance(backend, VllmBackend) and request.structured_output_request:
             backend.release(request.request_id)
         return free(self, request, *args, **kwargs)
 
@@ -368,7 +368,7 @@ def _wrap_scheduler() -> None:
     def digested(self, scheduler_output):
         out = bitmask(self, scheduler_output)
         backend = self.structured_output_manager.backend
-        if isinstance(backend, GramcoordBackend) and backend.digests is not None:
+        if isinstance(backend, VllmBackend) and backend.digests is not None:
             backend.digests.observe(self, scheduler_output, out)
         return out
 

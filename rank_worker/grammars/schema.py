@@ -31,10 +31,9 @@ from typing import Any
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError, WarningCode
-from gramcoord.rank_worker.grammars.schema_lint import JSON_TYPES
 from gramcoord.rank_worker.grammars.schema_rewrite import rewrite
 from gramcoord.rank_worker.grammars.schema_tree import SchemaTree, canonical_tree
-from gramcoord.rank_worker.grammars.schema_walk import walk
+from gramcoord.rank_worker.grammars.schema_walk import JSON_TYPES, walk
 
 MAX_DEPTH = 64
 MAX_DEPTH_STRUCTURAL_TAG = 80

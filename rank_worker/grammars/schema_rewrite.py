@@ -43,7 +43,7 @@ side's ``properties``, ``items`` beside ``prefixItems``, ``contains``
 beside ``minContains``, ``if`` beside ``then``). A branch whose meet is
 empty (``type`` string and integer) is dropped: it matched nothing. Where
 no exact rewrite exists the object is left as written, and the lint
-(``schema_lint``) reports what xgrammar would not enforce.
+(``schema_walk.lint_node``) reports what xgrammar would not enforce.
 
 An object a local ``$ref`` points *into* (``#/properties/a/anyOf/0``) is
 not restructured, so every pointer keeps its target; ``$defs`` are kept in
@@ -57,12 +57,12 @@ import itertools
 from typing import Any
 from urllib.parse import unquote
 
-from gramcoord.rank_worker.grammars.schema_lint import (
+from gramcoord.rank_worker.grammars.schema_tree import MISSING, ONE_SCHEMA, SchemaTree
+from gramcoord.rank_worker.grammars.schema_walk import (
     CONSTRAINTS,
     SUPPORTED_FORMATS,
     VALUE_KEYWORDS,
 )
-from gramcoord.rank_worker.grammars.schema_tree import MISSING, ONE_SCHEMA, SchemaTree
 
 # Keyword groups whose members read each other: a group may come from one
 # side of a conjunction only (or be equal on both).

@@ -20,7 +20,7 @@ from gramcoord.benchmarks import step as bench
 from gramcoord.benchmarks._step_common import (
     Output,
     RankRun,
-    load_requests,
+    bench_requests,
     step_samples_ms,
 )
 from gramcoord.benchmarks._step_ranks import WorldOptions
@@ -32,7 +32,7 @@ WORKLOAD = Path(__file__).resolve().parents[2] / "configs" / "workload.jsonl"
 
 
 def test_slice_holds_only_runnable_json_and_regex_requests():
-    base = load_requests(WORKLOAD)
+    base = bench_requests(WORKLOAD)
     assert base, "the shipped workload has usable records"
     for r in base:
         assert r.kind in ("json", "regex")
@@ -42,8 +42,8 @@ def test_slice_holds_only_runnable_json_and_regex_requests():
 
 
 def test_copies_and_token_cap():
-    base = load_requests(WORKLOAD, limit=3)
-    got = load_requests(WORKLOAD, limit=3, copies=3, max_tokens=5)
+    base = bench_requests(WORKLOAD, limit=3)
+    got = bench_requests(WORKLOAD, limit=3, copies=3, max_tokens=5)
     assert len(base) == 3 and len(got) == 9
     assert [r.request_id for r in got[3:6]] == [f"{r.request_id}#1" for r in base]
     assert {r.max_tokens for r in got} == {5}

@@ -124,9 +124,9 @@ def inject(
     fail_marker: str = "",
 ) -> None:
     """Slow down or fail this rank's compiles (in our backend class)."""
-    from gramcoord.integrations.sglang.backend import GramcoordBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend
 
-    real = GramcoordBackend._compile
+    real = SglangBackend._compile
 
     def compile_(self, spec):
         if rank == delay_rank:
@@ -135,7 +135,7 @@ def inject(
             raise RuntimeError(f"injected compile failure on rank {rank}")
         return real(self, spec)
 
-    GramcoordBackend._compile = compile_
+    SglangBackend._compile = compile_
 
 
 def scenarios(rank: int, world: int) -> dict[str, Any]:

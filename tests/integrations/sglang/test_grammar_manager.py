@@ -45,7 +45,7 @@ def test_compile_skew_admits_in_lockstep(results) -> None:
     a, b = (r["skew"] for r in results)
     assert a == b
     assert {rid for _, rid, _ in a} == {"a0", "a1", "a2", "a3", "a4"}
-    assert all(what == "GramcoordGrammar" for _, _, what in a)
+    assert all(what == "SglangGrammar" for _, _, what in a)
     assert all(r["skew_collectives"] >= 1 for r in results)
 
 
@@ -53,7 +53,7 @@ def test_compile_failing_on_one_rank_fails_everywhere(results) -> None:
     a, b = (r["fail"] for r in results)
     assert a == b
     got = {rid: what for _, rid, what in a}
-    assert got["b1"] == "GramcoordGrammar"
+    assert got["b1"] == "SglangGrammar"
     assert got["b0"].startswith("aborted: Failed to compile json grammar: grammar_invalid")
     assert "rank(s) [1]" in got["b0"]
     assert "cached verdict, no compile ran for this request" in got["b2"]

@@ -25,16 +25,16 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def held(monkeypatch):
     """Compiles wait until the test releases them."""
-    from gramcoord.integrations.sglang.backend import GramcoordBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend
 
     gate = threading.Event()
-    real = GramcoordBackend._compile
+    real = SglangBackend._compile
 
     def compile_(self, spec):
         gate.wait(30)
         return real(self, spec)
 
-    monkeypatch.setattr(GramcoordBackend, "_compile", compile_)
+    monkeypatch.setattr(SglangBackend, "_compile", compile_)
     yield gate
     gate.set()
 
@@ -110,10 +110,10 @@ def test_our_deadline_fires_while_sglang_polls_done(held, manager) -> None:
 def test_flush_cache_drops_compiled_grammars(manager) -> None:
     schema = schemas()[2]
     log = drive(manager, {0: [Req("f0", schema)]})
-    assert log[-1][2] == "GramcoordGrammar"
+    assert log[-1][2] == "SglangGrammar"
     hit = Req("f1", schema)
     assert not manager.process_req_with_grammar(hit)  # SGLang's cache-hit path
-    assert type(hit.grammar).__name__ == "GramcoordGrammar"
+    assert type(hit.grammar).__name__ == "SglangGrammar"
     manager.clear()
     assert manager.process_req_with_grammar(Req("f2", schema))  # compiles again
 

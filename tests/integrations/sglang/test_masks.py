@@ -101,10 +101,10 @@ def _fill(grammars, vocab_size):
 def backends():
     from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
-    from gramcoord.integrations.sglang.backend import GramcoordBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend
 
     h = host()
-    ours = GramcoordBackend(h.tokenizer, h.vocab_size, h.eos_token_ids)
+    ours = SglangBackend(h.tokenizer, h.vocab_size, h.eos_token_ids)
     theirs = XGrammarGrammarBackend(
         h.tokenizer, vocab_size=h.vocab_size, model_eos_token_ids=list(h.eos_token_ids)
     )
@@ -126,7 +126,7 @@ def test_masks_equal_sglangs_xgrammar_backend(backends) -> None:
     ]
     ours = _grammars(ours_b, keys)
     theirs = _grammars(theirs_b, keys)
-    assert [type(g).__name__ for g in ours] == ["GramcoordGrammar"] * len(keys)
+    assert [type(g).__name__ for g in ours] == ["SglangGrammar"] * len(keys)
     assert all(isinstance(g, BaseGrammarObject) for g in ours)
     gen = torch.Generator().manual_seed(0)
     steps = 0

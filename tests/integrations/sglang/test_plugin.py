@@ -28,7 +28,7 @@ def test_sglangs_create_grammar_backend_returns_ours() -> None:
         create_grammar_backend,
     )
 
-    from gramcoord.integrations.sglang.backend import GramcoordBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend
     from gramcoord.integrations.sglang.plugin import register
 
     h = host()
@@ -37,7 +37,7 @@ def test_sglangs_create_grammar_backend_returns_ours() -> None:
     assert "gramcoord" in GRAMMAR_BACKEND_REGISTRY
     backend = create_grammar_backend(h.server_args, h.tokenizer, h.vocab_size, h.eos_token_ids)
     try:
-        assert isinstance(backend, GramcoordBackend)
+        assert isinstance(backend, SglangBackend)
         assert isinstance(backend, BaseGrammarBackend)
         assert backend.leader.group_size == 1  # no sync group in one process
     finally:
@@ -125,14 +125,14 @@ def test_sglangs_load_plugins_runs_register(tmp_path) -> None:
 
 
 def test_the_refusal_hint_names_sglangs_way() -> None:
-    from gramcoord.integrations.sglang.backend import UNENFORCED_HINT, grammar_config
+    from gramcoord.integrations.sglang.backend import UNENFORCED_HINT, sglang_grammar_config
     from gramcoord.rank_worker.errors import SpecError
     from gramcoord.rank_worker.grammars.spec import validate_spec
 
     unenforced = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     # The server's backend admits it (SGLang's own check and the end check run).
-    validate_spec({"json": unenforced}, grammar_config())
+    validate_spec({"json": unenforced}, sglang_grammar_config())
     with pytest.raises(SpecError) as info:
-        validate_spec({"json": unenforced}, grammar_config(reject_ignored_features=True))
+        validate_spec({"json": unenforced}, sglang_grammar_config(reject_ignored_features=True))
     assert info.value.message.endswith(UNENFORCED_HINT)
-    assert "grammar_config(reject_ignored_features=False)" in info.value.message
+    assert "sglang_grammar_config(reject_ignored_features=False)" in info.value.message

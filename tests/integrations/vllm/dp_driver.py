@@ -37,10 +37,10 @@ PLAIN = {"type": "object", "properties": {"n": {"type": "integer"}}, "required":
 
 
 def _record(rank: int, refused: dict[str, list[str]], compiled: list[str]) -> None:
-    from gramcoord.integrations.vllm.backend import GramcoordBackend
+    from gramcoord.integrations.vllm.backend import VllmBackend
 
-    compile_spec = GramcoordBackend._compile_spec
-    refuse = GramcoordBackend._refused
+    compile_spec = VllmBackend._compile_spec
+    refuse = VllmBackend._refused
 
     def counted(self, spec):
         compiled.append(spec.text)
@@ -51,8 +51,8 @@ def _record(rank: int, refused: dict[str, list[str]], compiled: list[str]) -> No
         refused[outcome.request_id.rsplit("-", 1)[0]] = [outcome.code, outcome.message]
         return refuse(self, outcome)
 
-    GramcoordBackend._compile_spec = counted
-    GramcoordBackend._refused = refused_with
+    VllmBackend._compile_spec = counted
+    VllmBackend._refused = refused_with
 
 
 def main() -> None:

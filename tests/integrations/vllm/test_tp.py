@@ -172,3 +172,34 @@ def test_tp_outputs_equal_the_one_process_run(tp_run, engines) -> None:
         for r, (tokens, reason) in zip(kept, got):
             assert tp_run[0][r["id"]]["tokens"] == tokens, r["id"]
             assert tp_run[0][r["id"]]["reason"] == reason, r["id"]
+
+
+# Packages a vLLM engine process never runs: our transport (vLLM moves its own
+# masks), our engine and launchers, the benchmarks, the other hosts' plugins,
+# our mask builder (vLLM fills masks with its own matcher).
+NEVER_LOADED = (
+    "gramcoord.sync",
+    "gramcoord.engine",
+    "gramcoord.launch",
+    "gramcoord.benchmarks",
+    "gramcoord.integrations.sglang",
+    "gramcoord.integrations.hf",
+    "gramcoord.rank_worker.masks",
+)
+# Our modules (packages included) a TP=2 external-launcher rank holds after
+# its requests: the plugin, the grammar manager and its validation, the
+# stage leader with the agreement, and the TP mask digests.
+MAX_MODULES_TP2 = 46
+
+
+def test_a_vllm_rank_loads_only_what_it_runs(tp_run, tp_out) -> None:
+    for rank in (0, 1):
+        loaded = json.loads((tp_out / f"rank{rank}.modules.json").read_text())
+        # What the driver imported itself before the engine (its engine
+        # arguments) is the test's, not the engine's.
+        harness = {m for m in loaded["harness"] if m.startswith(NEVER_LOADED)}
+        modules = [m for m in loaded["after"] if m not in harness]
+        stray = [m for m in modules if m.startswith(NEVER_LOADED)]
+        assert not stray, stray
+        assert len(modules) <= MAX_MODULES_TP2, modules
+        assert "gramcoord.integrations.vllm.tp_digest" in modules

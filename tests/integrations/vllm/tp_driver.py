@@ -4,7 +4,8 @@ Usage: ``tp_driver.py MODEL_DIR REQUESTS_JSON OUT_DIR``. Every rank adds the
 same requests, steps the engine itself and writes ``rank<R>.json``: per
 request its tokens, finish reason, and the engine steps of its first output
 and of its end. Wall times, which differ between ranks, go to
-``rank<R>.times.json``.
+``rank<R>.times.json``; the modules of ours the process loaded, to
+``rank<R>.modules.json``.
 
 Two faults are injected here, into the backend's compile function, by the
 test's environment:
@@ -39,11 +40,11 @@ GATE_S = 240.0
 
 
 def _inject(rank: int, gate: threading.Event, held: dict[str, bool]) -> None:
-    from gramcoord.integrations.vllm.backend import GramcoordBackend
+    from gramcoord.integrations.vllm.backend import VllmBackend
 
     gate_mark = os.environ.get("GATE_MARK", "")
     fail_rank, _, fail_mark = os.environ.get("FAIL_MARK", "").partition(":")
-    compile_spec = GramcoordBackend._compile_spec
+    compile_spec = VllmBackend._compile_spec
 
     def injected(self, spec):
         if fail_mark and int(fail_rank) == rank and fail_mark in spec.text:
@@ -53,7 +54,7 @@ def _inject(rank: int, gate: threading.Event, held: dict[str, bool]) -> None:
             held["gate_timed_out"] = not gate.wait(GATE_S)
         return compiled
 
-    GramcoordBackend._compile_spec = injected
+    VllmBackend._compile_spec = injected
     flip_rank, flip_rid, flip_pos = (os.environ.get("FLIP", "") or "-1::0").split(":")
     if int(flip_rank) != rank:
         return
@@ -86,8 +87,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from tests.integrations.vllm.tiny_model import COMPILE_DEADLINE, ENGINE_KW
+    from gramcoord.benchmarks._vllm_common import ENGINE_KW
+    from tests.integrations.vllm.tiny_model import COMPILE_DEADLINE
 
+    # Ours the driver loaded itself (its engine arguments), before the engine.
+    harness = sorted(m for m in sys.modules if m.startswith("gramcoord."))
     llm = LLM(
         model,
         structured_outputs_config={"backend": "gramcoord"},
@@ -151,6 +155,10 @@ def main() -> None:
     times["engine_s"] = round(time.monotonic() - t0, 3)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     (out / f"rank{rank}.times.json").write_text(json.dumps(times))
+    # What this engine process loaded of ours, after its requests ran.
+    ours = sorted(m for m in sys.modules if m.startswith("gramcoord."))
+    loaded = {"harness": harness, "after": ours}
+    (out / f"rank{rank}.modules.json").write_text(json.dumps(loaded))
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ import xgrammar as xgr
 
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
-from gramcoord.rank_worker.grammars.schema_lint import SUPPORTED_FORMATS
 from gramcoord.rank_worker.grammars.schema_tree import canonical_tree
-from gramcoord.rank_worker.grammars.schema_walk import walk
+from gramcoord.rank_worker.grammars.schema_walk import SUPPORTED_FORMATS, walk
 from gramcoord.rank_worker.grammars.spec import validate_spec
 
 
