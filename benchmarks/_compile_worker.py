@@ -96,7 +96,9 @@ class CompileWorker:
     def close(self) -> None:
         try:
             self.proc.stdin.close()
-            self.proc.wait(timeout=10)
+            # It exits on end of input; a loaded machine may take a while to
+            # let it (interpreter teardown), so the kill is a late backstop.
+            self.proc.wait(timeout=120)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
