@@ -44,12 +44,13 @@ from gramcoord.rank_worker.grammars.compile_service import (
 )
 from gramcoord.rank_worker.grammars.outcome import (
     Entry,
+    Lookup,
     ManagerStats,
     Outcome,
     refuse_id,
     refuse_seq,
 )
-from gramcoord.rank_worker.grammars.spec import TokenBudget, admit
+from gramcoord.rank_worker.grammars.spec import GrammarSpec, TokenBudget, admit
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -162,9 +163,21 @@ class GrammarManager:
         self._enter_window(entry)
         return entry.outcome("pending")
 
-    def poisoned(self, entry: Entry) -> Outcome | None:
-        """The failed outcome of ``entry`` if its key is poisoned now (counted), else None."""
-        return self._poisoned_outcome(entry)
+    def lookup(self, spec: GrammarSpec) -> Lookup:
+        """What the caches hold for a validated spec now: a compiled grammar, a
+        poisoned key's failed outcome (counted), or neither; nothing is submitted."""
+        compiled = self.caches.compiled.get(spec.key)
+        if compiled is not None:
+            return Lookup(spec.key, compiled, None, spec.text if spec.end_check else None)
+        return Lookup(spec.key, None, self._poisoned_outcome(Entry(-1, "", spec, "none")))
+
+    def poison_here(self, spec: GrammarSpec, code: ErrorCode, message: str) -> bool:
+        """Poison ``spec``'s key on this rank alone (a host's own compile timeout)."""
+        return self.caches.poison_here(spec.key, code, message)
+
+    def clear_compiled(self) -> None:
+        """Drop the compiled grammars (a host's cache flush); poisoned keys stay."""
+        self.caches.clear_compiled()
 
     def _poisoned_outcome(self, entry: Entry) -> Outcome | None:
         hit = self.caches.poisoned(entry.spec.key)

@@ -28,7 +28,7 @@ from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode, SpecError
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.manager import GrammarManager
-from gramcoord.rank_worker.grammars.outcome import Entry, Lookup, Outcome
+from gramcoord.rank_worker.grammars.outcome import Lookup, Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary, Tokenizer
 
@@ -275,15 +275,12 @@ class StageLeader:
         gspec = self._validated(spec)
         if gspec is None:
             return Lookup(None, None, None)
-        compiled = self._manager.caches.compiled.get(gspec.key)
-        if compiled is not None:
-            return Lookup(gspec.key, compiled, None, gspec.text if gspec.end_check else None)
-        return Lookup(gspec.key, None, self._manager.poisoned(Entry(-1, "", gspec, "none")))
+        return self._manager.lookup(gspec)
 
     def poison(self, spec: Any, code: ErrorCode, message: str) -> bool:
         """Poison ``spec``'s key on this rank (a host's own compile timeout); whether it did."""
         gspec = self._validated(spec)
-        return gspec is not None and self._manager.caches.poison_here(gspec.key, code, message)
+        return gspec is not None and self._manager.poison_here(gspec, code, message)
 
     def _validated(self, spec: Any) -> GrammarSpec | None:
         m = self._manager
@@ -294,7 +291,7 @@ class StageLeader:
 
     def clear_cache(self) -> None:
         """Drop the compiled grammars (a host's cache flush); poisoned keys stay."""
-        self._manager.caches.clear_compiled()
+        self._manager.clear_compiled()
 
     def compiled_here(self, request_id: str) -> bool:
         """Whether this rank's own compile of ``request_id`` ended (the decision may not have)."""
