@@ -22,7 +22,7 @@ The control sockets (:mod:`gramcoord.sync.control`) decode with the decoders
 built here; the channel's :class:`~gramcoord.sync.announcement.Announcer`,
 the :class:`~gramcoord.sync.roster.Roster`, the reader's handshake
 (:mod:`gramcoord.sync.handle`) and :class:`~gramcoord.sync.receiver.BitmaskReceiver`
-build and match the messages. Admission (``rank_worker.grammars.outcome``)
+build and match the messages. Admission (``rank_worker.grammars.manager``)
 refuses request ids longer than :data:`MAX_REQUEST_ID_CHARS`.
 """
 

@@ -15,7 +15,7 @@ from gramcoord.rank_worker.config import (
     SpeculativeConfig,
 )
 from gramcoord.rank_worker.errors import GrammarError
-from gramcoord.rank_worker.grammars.outcome import ManagerStats
+from gramcoord.rank_worker.grammars.manager import ManagerStats
 from gramcoord.rank_worker.masks.jump_forward import JumpStats
 from gramcoord.sync.config import TransportConfig
 

@@ -29,7 +29,8 @@ from gramcoord.engine.scheduler import Scheduler
 from gramcoord.launch.summary import Mismatch, digests_by_request, merge
 from gramcoord.launch.validity import JsonChecker
 from gramcoord.rank_worker.config import SamplingConfig, SpeculativeConfig
-from gramcoord.rank_worker.grammars.outcome import ManagerStats, Outcome
+from gramcoord.rank_worker.grammars.manager import ManagerStats
+from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.session.digest import DigestRecord, MaskDigests
 from gramcoord.rank_worker.session.session import RankSession, SessionConfig, SessionStats
 from tests.rank_worker.session_helpers import session_config

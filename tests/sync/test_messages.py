@@ -145,13 +145,13 @@ def test_decoders_raise_only_decode_errors(decoder, data):
 
 def test_admission_takes_no_request_id_the_wire_refuses():
     """Admission's bound is the wire's: one admitted id never breaks a batch's publish."""
-    from gramcoord.rank_worker.grammars import outcome
+    from gramcoord.rank_worker.grammars import manager
     from gramcoord.sync import messages
 
-    assert outcome.MAX_REQUEST_ID_CHARS == messages.MAX_REQUEST_ID_CHARS
-    longest = "x" * outcome.MAX_REQUEST_ID_CHARS
-    assert outcome.valid_request_id(longest)
-    assert not outcome.valid_request_id(longest + "x")
+    assert manager.MAX_REQUEST_ID_CHARS == messages.MAX_REQUEST_ID_CHARS
+    longest = "x" * manager.MAX_REQUEST_ID_CHARS
+    assert manager.valid_request_id(longest)
+    assert not manager.valid_request_id(longest + "x")
     wire = ENC.encode(BitmaskReady(7, 1, 1, (longest,), (0,)))
     assert reader_decoder().decode(wire).request_ids == (longest,)
     with pytest.raises(msgspec.DecodeError):

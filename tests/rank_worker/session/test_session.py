@@ -13,7 +13,7 @@ import torch
 
 from gramcoord.engine.acceptance import accepted_tokens
 from gramcoord.rank_worker.errors import ErrorCode, GrammarError
-from gramcoord.rank_worker.grammars.outcome import ManagerStats
+from gramcoord.rank_worker.grammars.manager import ManagerStats
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpStats
 from gramcoord.rank_worker.session.applier import MaskApplier
