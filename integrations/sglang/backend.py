@@ -12,9 +12,9 @@ gramcoord adds validation and keys, a bounded compile cache, a poison
 cache with a TTL for timeouts (SGLang caches a timeout for ever), compile
 deadlines, joined compiles of one key, and the agreement of when a grammar
 is ready: one outcome on every rank of SGLang's sync group. All of that is
-the per-rank API (``StageLeader.for_host`` over SGLang's sync group, wrapped
-in ``GrammarFutures``); what stays here is SGLang's: its compile calls, its
-grammar objects, and where the agreement runs (``AgreedFuture.result``).
+behind one door, ``GrammarFutures.for_host`` over SGLang's sync group; what
+stays here is SGLang's: its compile calls, its grammar objects, and where
+the agreement runs (``AgreedFuture.result``).
 
 Where the agreement runs
 ------------------------
@@ -83,7 +83,6 @@ from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
 from gramcoord.rank_worker.session.futures import GrammarFutures
-from gramcoord.rank_worker.session.leader import StageLeader
 
 __all__ = ["AgreedFuture", "SglangBackend", "SglangGrammar", "sglang_grammar_config", "sglang_spec"]
 
@@ -205,7 +204,7 @@ class SglangGrammar(XGrammarGrammar):
 
 
 class SglangBackend(BaseGrammarBackend):
-    """SGLang's ``BaseGrammarBackend`` over a gramcoord ``StageLeader``.
+    """SGLang's ``BaseGrammarBackend`` over gramcoord's door, ``GrammarFutures``.
 
     Parameters
     ----------
@@ -251,8 +250,15 @@ class SglangBackend(BaseGrammarBackend):
         if compile_hook is not None:
             compile_fn = compile_hook(compile_fn)
         vocab = HostVocabulary(f"sglang:{name}:{vocab_size}")
-        self.leader = StageLeader.for_host(self.config, vocab, compile_fn, group)
-        self.grammars = GrammarFutures(self.leader, admit=self._admitted, refuse=self._refused)
+        self.grammars = GrammarFutures.for_host(
+            self.config,
+            vocab,
+            compile_fn,
+            group,
+            admit=self._admitted,
+            refuse=self._refused,
+            max_gap=1,
+        )
         # spec key -> SGLang's key, compiled as SGLang's backend compiles it.
         self._origin: dict[bytes, tuple[str, str]] = {}
         # request id -> SGLang's key (for the grammar object of an admitted one).
@@ -261,7 +267,7 @@ class SglangBackend(BaseGrammarBackend):
         logger.info(
             "gramcoord SGLang backend: vocabulary of %d, sync group of %d, %d compile workers",
             vocab_size,
-            self.leader.group_size,
+            self.grammars.group_size,
             self.config.pool_size,
         )
 
@@ -296,11 +302,11 @@ class SglangBackend(BaseGrammarBackend):
     def _admitted(self, outcome: Outcome) -> SglangGrammar:
         rid = outcome.request_id
         try:
-            compiled, key = self.leader.compiled(rid), self._keys.pop(rid)
+            compiled, key = self.grammars.compiled(rid), self._keys.pop(rid)
             return self._from_ctx(compiled, key, False, outcome.end_check)
         finally:
             # SGLang keeps the grammar object; the compiled grammar stays cached.
-            self.leader.release(rid)
+            self.grammars.release(rid)
 
     def _refused(self, outcome: Outcome) -> InvalidGrammarObject:
         self._keys.pop(outcome.request_id, None)
@@ -324,7 +330,7 @@ class SglangBackend(BaseGrammarBackend):
             done: Future = Future()
             done.set_result(InvalidGrammarObject(f"Invalid key_type: {key[0]}"))
             return done, False
-        found = self.leader.lookup(spec)
+        found = self.grammars.lookup(spec)
         if found.compiled is not None:
             grammar = self._from_ctx(found.compiled, key, True, found.end_check)
             grammar.maybe_init_reasoning(require_reasoning)
@@ -334,7 +340,7 @@ class SglangBackend(BaseGrammarBackend):
             failed = found.failed
             why = (
                 failed.message
-                if self.leader.group_size == 1
+                if self.grammars.group_size == 1
                 else "cached verdict, no compile ran for this request: this grammar failed earlier"
             )
             return InvalidGrammarObject(f"{failed.code}: {why}"), True
@@ -348,15 +354,15 @@ class SglangBackend(BaseGrammarBackend):
             return
         spec = sglang_spec(key)
         if spec is not None:
-            self.leader.poison(spec, ErrorCode.grammar_timeout, _TIMED_OUT)
+            self.grammars.poison(spec, ErrorCode.grammar_timeout, _TIMED_OUT)
 
     def reset(self) -> None:
         """SGLang's ``flush_cache``: drop compiled grammars (poison is agreed state, kept)."""
         super().reset()
-        self.leader.clear_cache()
+        self.grammars.clear_cache()
         self.host.reset()
 
     def close(self) -> None:
         """Stop the compile pool (SGLang never calls it; tests and shutdown do)."""
-        self.leader.close()
+        self.grammars.close()
         self.executor.shutdown(wait=False)

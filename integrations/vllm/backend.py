@@ -6,10 +6,10 @@ vocabulary, stop ids and compile calls are vLLM's own (an
 outputs are token-identical to vLLM + xgrammar; only the compiler under
 those calls is ours, with one thread (``own_compiler``). gramcoord adds what vLLM
 lacks: validation and keys, a compile cache and poison cache, compile
-deadlines, and readiness agreed once per engine step. All of that is the
-per-rank API (``StageLeader.for_host`` over vLLM's TP group, wrapped in
-``GrammarFutures`` because vLLM's scheduler waits on a Future); what stays
-here is vLLM's: its compile calls, its grammar objects, its call sites.
+deadlines, and readiness agreed once per engine step. All of that is behind
+one door, ``GrammarFutures.for_host`` over vLLM's TP group (Futures, because
+vLLM's scheduler waits on one); what stays here is vLLM's: its compile
+calls, its grammar objects, its call sites.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
 from gramcoord.rank_worker.session.futures import GrammarFutures
-from gramcoord.rank_worker.session.leader import StageLeader
 
 if TYPE_CHECKING:
     # Built only over a TP group (``group`` set).
@@ -159,7 +158,7 @@ class VllmGrammar(XgrammarGrammar):
 
 @dataclass
 class VllmBackend(StructuredOutputBackend):
-    """vLLM's ``StructuredOutputBackend`` over a gramcoord ``StageLeader``."""
+    """vLLM's ``StructuredOutputBackend`` over gramcoord's door, ``GrammarFutures``."""
 
     group: Any = None
 
@@ -178,22 +177,18 @@ class VllmBackend(StructuredOutputBackend):
         faults = RankFaults.of(options.faults, self.global_rank)
         distributed = options.distributed
         vocab = f"vllm:{self.vllm_config.model_config.tokenizer}:{self.vocab_size}"
-        self.leader = StageLeader.for_host(
+        self.grammars = GrammarFutures.for_host(
             self.config,
             HostVocabulary(vocab),
             faults.wrap_compile(self._compile_spec),
             self.group,
             distributed,
-        )
-        self.grammars = GrammarFutures(
-            self.leader,
             admit=self._admitted,
             refuse=self._refused,
-            max_gap=distributed.agree_max_gap_steps,
         )
         poison = replica_poison(self.vllm_config)
         if poison is not None:
-            poison.attach(self.leader)
+            self.grammars.join_replicas(poison)
         self.digests: MaskDigests | None = None
         if self.group is not None:
             from gramcoord.integrations.vllm.tp_digest import MaskDigests
@@ -207,7 +202,7 @@ class VllmBackend(StructuredOutputBackend):
         logger.info(
             "gramcoord backend: vocabulary %s, agreement group of %d, %d compile workers",
             vocab,
-            self.leader.group_size,
+            self.grammars.group_size,
             self.config.pool_size,
         )
 
@@ -262,7 +257,7 @@ class VllmBackend(StructuredOutputBackend):
 
     def _admitted(self, outcome: Outcome) -> VllmGrammar:
         rid = outcome.request_id
-        grammar = self._grammar(self.leader.compiled(rid), self._stops.pop(rid, None), rid)
+        grammar = self._grammar(self.grammars.compiled(rid), self._stops.pop(rid, None), rid)
         if outcome.end_check is not None:
             grammar.check, grammar.decode = outcome.end_check, self._decode
             self._checked[rid] = grammar
@@ -307,5 +302,5 @@ class VllmBackend(StructuredOutputBackend):
         return xgr.allocate_token_bitmask(max_num_seqs, self.vocab_size)
 
     def destroy(self) -> None:
-        self.leader.close()
+        self.grammars.close()
         self.host.destroy()

@@ -270,12 +270,18 @@ class GrammarManager:
         return entry.outcome("pending")
 
     def lookup(self, spec: GrammarSpec) -> Lookup:
-        """What the caches hold for a validated spec now: a compiled grammar, a
-        poisoned key's failed outcome (counted), or neither; nothing is submitted."""
+        """What the caches hold for a validated spec now: a poisoned key's failed
+        outcome (counted), a compiled grammar, or neither; nothing is submitted.
+
+        Poison comes first, as in ``add``: a key both compiled and poisoned
+        (a host's own timeout, say) is refused by both.
+        """
+        failed = self._poisoned_outcome(Entry(-1, "", spec, "none"))
+        if failed is not None:
+            return Lookup(spec.key, None, failed)
         compiled = self.caches.compiled.get(spec.key)
-        if compiled is not None:
-            return Lookup(spec.key, compiled, None, spec.text if spec.end_check else None)
-        return Lookup(spec.key, None, self._poisoned_outcome(Entry(-1, "", spec, "none")))
+        end_check = spec.text if compiled is not None and spec.end_check else None
+        return Lookup(spec.key, compiled, None, end_check)
 
     def poison_here(self, spec: GrammarSpec, code: ErrorCode, message: str) -> bool:
         """Poison ``spec``'s key on this rank alone (a host's own compile timeout)."""

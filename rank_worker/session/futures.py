@@ -1,4 +1,4 @@
-"""Grammar futures: the per-rank API for hosts whose scheduler waits on a ``Future``.
+"""Grammar futures: the one door for host engines whose scheduler waits on a ``Future``.
 
 vLLM parks a request until ``request.structured_output_request.grammar`` (a
 ``concurrent.futures.Future``) is done; SGLang polls ``req.grammar.done()``
@@ -18,10 +18,14 @@ the same step on every rank), so every rank skips the same steps; and since
 the gap reaches ``2**k`` only after ``4 * (2**k - 1)`` fruitless steps, a
 decision comes at most about a quarter later than the time already waited.
 
-The host supplies two callbacks: ``admit(outcome)`` makes the value of an
-admitted request (its grammar object, over ``leader.compiled(request_id)``),
-and ``refuse(outcome)`` the value or exception of a failed one. The adapters
-(``integrations.vllm.backend``, ``integrations.sglang.backend``) hold one each.
+A host builds one with :meth:`GrammarFutures.for_host` and calls only its
+verbs: ``submit``, ``step``, ``wait``, ``compiled``, ``release``, ``close``,
+and the cache verbs ``lookup``, ``poison`` and ``clear_cache``. It supplies
+two callbacks: ``admit(outcome)`` makes the value of an admitted request
+(its grammar object, over ``compiled(request_id)``), and
+``refuse(outcome)`` the value or exception of a failed one. The adapters
+(``integrations.vllm.backend``, ``integrations.sglang.backend``) hold one
+each and never touch the ``StageLeader`` or the grammar manager under it.
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import DivergenceError
+from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.grammars.outcome import Outcome
+from gramcoord.rank_worker.grammars.compile_service import CompileFn
+from gramcoord.rank_worker.grammars.outcome import Lookup, Outcome
+from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary, Tokenizer
 from gramcoord.rank_worker.session.leader import StageLeader
 
 logger = logging.getLogger(__name__)
@@ -51,7 +59,7 @@ class GrammarFutures:
     Parameters
     ----------
     leader:
-        The rank's per-rank API (``StageLeader.for_host``).
+        The rank's ``StageLeader`` (:meth:`for_host` builds it).
     admit:
         The value of an admitted request's Future.
     refuse:
@@ -90,6 +98,32 @@ class GrammarFutures:
         self._fruitless = 0
         self._skipped = 0
         self._new = 0
+
+    @classmethod
+    def for_host(
+        cls,
+        grammar: GrammarConfig,
+        vocabulary: Tokenizer | HostVocabulary,
+        compile_fn: CompileFn,
+        group: Any | None,
+        distributed: DistributedConfig | None = None,
+        *,
+        admit: Admit,
+        refuse: Refuse,
+        max_gap: int | None = None,
+    ) -> GrammarFutures:
+        """The door inside a host engine, agreeing over the host's own ``group``.
+
+        ``grammar``, ``vocabulary``, ``compile_fn``, ``group`` and
+        ``distributed`` are ``StageLeader.for_host``'s: the host hands over
+        what its grammar manager is made of and holds neither the manager
+        nor the leader. ``max_gap`` defaults to the agreement's
+        ``agree_max_gap_steps``.
+        """
+        distributed = distributed or DistributedConfig()
+        leader = StageLeader.for_host(grammar, vocabulary, compile_fn, group, distributed)
+        gap = distributed.agree_max_gap_steps if max_gap is None else max_gap
+        return cls(leader, admit=admit, refuse=refuse, max_gap=gap)
 
     def submit(self, request_id: str, spec: Any, future: Future | None = None) -> Future:
         """Queue one request; its Future resolves in a later ``step`` (or now, if refused).
@@ -170,6 +204,49 @@ class GrammarFutures:
             pending = list(self._futures)
         if pending and not any(self.leader.compiled_here(r) for r in pending):
             self.leader.wait_compiles(timeout_s)
+
+    def compiled(self, request_id: str) -> Any:
+        """An admitted request's compiled grammar (``xgrammar.CompiledGrammar``).
+
+        The host builds its own matcher over it. Raises ``KeyError`` for a
+        request not admitted.
+        """
+        return self.leader.compiled(request_id)
+
+    def lookup(self, spec: Any) -> Lookup:
+        """What the caches hold for ``spec`` now, submitting nothing.
+
+        Its key, and its compiled grammar on a hit or the failed outcome of
+        a poisoned key: the same on every rank of the group, so a host may
+        serve a hit or refuse a poisoned key without a ``step``.
+        """
+        return self.leader.lookup(spec)
+
+    def poison(self, spec: Any, code: ErrorCode, message: str) -> bool:
+        """Poison ``spec``'s key on this rank (a host's own compile timeout); whether it did."""
+        return self.leader.poison(spec, code, message)
+
+    def clear_cache(self) -> None:
+        """Drop the compiled grammars (a host's cache flush); poisoned keys stay."""
+        self.leader.clear_cache()
+
+    @property
+    def group_size(self) -> int:
+        """Members of this rank's agreement group (1 when it decides alone)."""
+        return self.leader.group_size
+
+    @property
+    def num_collectives(self) -> int:
+        """Agreement collectives this rank has run."""
+        return self.leader.num_collectives
+
+    def join_replicas(self, replicas: Any) -> None:
+        """Share poison with the host's other replicas (a ``ReplicaPoison``) from now on."""
+        replicas.attach(self.leader)
+
+    def close(self) -> None:
+        """Stop the compile pool (the host is shutting down)."""
+        self.leader.close()
 
     def compiled_here(self, request_id: str) -> bool:
         """Whether this rank's own compile of ``request_id`` ended (SGLang's ``done()``)."""

@@ -1,18 +1,18 @@
 """The per-rank API every host uses: submit, step, grammar, release, close.
 
 ``StageLeader`` is what a rank that schedules constrained requests calls
-(``session.leader``): gramcoord's own engine, Hugging Face ``generate``,
-and the vLLM and SGLang adapters (``StageLeader.for_host``, over their
-engine's process group). It owns the rank's ``GrammarManager`` and, in a
+(``session.leader``): gramcoord's own engine and Hugging Face ``generate``
+directly, the vLLM and SGLang adapters through their door,
+``futures.GrammarFutures.for_host`` (``StageLeader.for_host`` over their
+engine's process group, underneath). It owns the rank's ``GrammarManager`` and, in a
 multi-rank world, the ``Coordinator`` that drives it (the one agreement).
 In ``step`` a **decider** (stage 0, or every stage with ``pp_sync:
 collective``) posts the poison exchange, agrees with its peers, sends the
 decision down the chain and applies it; a **later stage** applies stage 0's
 decision, waiting for its own compiles up to ``stage_wait_s``
 (what is still not compiled fails here alone: ``StepOutcome.stage_failed``).
-Hosts whose scheduler waits on a ``Future`` wrap the leader in
-``futures.GrammarFutures``; replicas that share poison at the host's own
-sync point attach it to ``replicas.ReplicaPoison``.
+Replicas that share poison at the host's own sync point attach it to
+``replicas.ReplicaPoison``.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
     m = manager(world_group)
     reqs = {0: [Req(f"a{i}", s[i]) for i in range(3)], 3: [Req("a3", s[0]), Req("a4", s[3])]}
     out["skew"] = drive(m, reqs)
-    out["skew_collectives"] = m.grammar_backend.leader.num_collectives
+    out["skew_collectives"] = m.grammar_backend.grammars.num_collectives
     m.grammar_backend.close()
 
     inject(rank, fail_rank=1, fail_marker="CancelledNotification")

@@ -69,7 +69,7 @@ def test_abort_releases_our_state(held, manager) -> None:
     (back,) = manager.get_ready_grammar_requests()
     assert back is req and req.finished()
     assert backend.grammars.num_undecided == 0
-    assert backend.leader.num_live == 0
+    assert backend.grammars.num_live == 0
 
 
 def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
@@ -81,17 +81,17 @@ def test_sglangs_poll_timeout_poisons_for_a_ttl(held, manager) -> None:
         "t0",
         f"aborted: Grammar preprocessing timed out: req.grammar_key={('json', schema)!r}",
     )
-    assert backend.leader.num_live == 0
+    assert backend.grammars.num_live == 0
     again = Req("t1", schema)
     assert not manager.process_req_with_grammar(again)  # refused at once: poisoned
     assert "grammar_timeout: cached verdict" in again.finished_reason
-    (entry,) = backend.leader._manager.caches.poison._items.values()
+    (entry,) = backend.grammars.leader._manager.caches.poison._items.values()
     assert entry.expires_ms > 0  # a TTL, not for ever
 
 
 def test_our_deadline_fires_while_sglang_polls_done(held, manager) -> None:
     backend = manager.grammar_backend
-    backend.leader._manager.service.timeout_s = 0.5  # compile_timeout_s (30 s by default)
+    backend.grammars.leader._manager.service.timeout_s = 0.5  # compile_timeout_s (30 s by default)
     manager.SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = 10**6  # SGLang's own timeout: never
     schema = schemas()[3]
     log = drive(manager, {0: [Req("d0", schema)]})
@@ -101,7 +101,7 @@ def test_our_deadline_fires_while_sglang_polls_done(held, manager) -> None:
         "compile ran past grammar.compile_timeout_s=0.5s "
         "(its own time: waits for a CPU are not counted)",
     )
-    assert backend.leader.num_live == 0
+    assert backend.grammars.num_live == 0
     again = Req("d1", schema)
     assert not manager.process_req_with_grammar(again)  # poisoned for a TTL
     assert "grammar_timeout" in again.finished_reason
@@ -178,4 +178,4 @@ def test_a_breach_of_a_schema_enforced_in_part_aborts_with_its_code(manager) -> 
     assert held.is_terminated()
     with pytest.raises(ValueError, match="is valid under each of"):
         follow(grammar_of(overlap), '"ab"')
-    assert backend.leader.num_live == 0
+    assert backend.grammars.num_live == 0

@@ -39,7 +39,7 @@ def test_sglangs_create_grammar_backend_returns_ours() -> None:
     try:
         assert isinstance(backend, SglangBackend)
         assert isinstance(backend, BaseGrammarBackend)
-        assert backend.leader.group_size == 1  # no sync group in one process
+        assert backend.grammars.group_size == 1  # no sync group in one process
     finally:
         backend.close()
 

@@ -124,7 +124,7 @@ def test_state_released_after_many_requests(gramcoord_llm) -> None:
     assert all(reason in ("stop", "length") for _, reason in outs)
     backend = engine_backend(gramcoord_llm)
     assert backend.num_live == 0
-    assert backend.leader.num_live == 0
+    assert backend.grammars.num_live == 0
     assert backend.grammars.num_undecided == 0
 
 

@@ -73,7 +73,7 @@ def test_a_compile_error_names_its_code_and_message(gramcoord_llm, caplog) -> No
 
 
 def test_a_compile_past_its_deadline_is_grammar_timeout(gramcoord_llm, caplog) -> None:
-    service = engine_backend(gramcoord_llm).leader._manager.service
+    service = engine_backend(gramcoord_llm).grammars.leader._manager.service
     before, service.timeout_s = service.timeout_s, 1.0  # the engine's is COMPILE_DEADLINE's
     try:
         with caplog.at_level(logging.WARNING, logger=LOGGER):

@@ -141,8 +141,8 @@ def main() -> None:
     backend = scheduler.structured_output_manager.backend
     result["_stats"] = {
         "num_live": backend.num_live,
-        "group_size": backend.leader.group_size,
-        "collectives": backend.leader.num_collectives,
+        "group_size": backend.grammars.group_size,
+        "collectives": backend.grammars.num_collectives,
         "async": scheduler.structured_output_manager._use_async_grammar_compilation,
         "mismatches": [
             [m.step, list(m.ranks), m.request_id.rsplit("-", 1)[0], m.position]
