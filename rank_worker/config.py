@@ -47,6 +47,34 @@ class TriggerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     sequences: tuple[tuple[int, ...], ...] = ()
 
 
+class SpecStoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Directory of the spec store: every spec this deployment served, kept
+    # as a small plain record (the spec's text, its key, the vocabulary,
+    # the last use; never a compiled grammar), compiled again in the
+    # background when an engine starts. Files are 0600; a record is data,
+    # never code. Unset: no store.
+    dir: str | None = None
+    # JSON-lines files an operator hands over, one structured_outputs
+    # mapping per line ({"json": {...}}: an agent's tool schemas, say),
+    # compiled at start like the stored specs. They need no dir.
+    preload: tuple[str, ...] = ()
+    # Most spec records the store keeps; the least recently used go first.
+    max_records: Annotated[int, Meta(ge=1, le=1 << 16)] = 1024
+    # Hold the engine's start until the stored and handed-over specs are
+    # compiled, up to this many seconds (fleets adding replicas under
+    # traffic). 0: serve at once and compile in the background. Ranks warm
+    # at their own speed: in a multi-rank run keep it below
+    # distributed.step_timeout_s.
+    ready_wait_s: Annotated[float, Meta(ge=0)] = 0.0
+    # Share verdicts through the dir with the other engines on it: a key
+    # that failed or timed out on one is refused at once by the others
+    # until its poison TTL ends. Engines that decide alone only (an
+    # agreement group keeps its own poison in step).
+    share_verdicts: bool = True
+    # How often an engine reads the other engines' verdicts, in seconds.
+    verdict_poll_s: PositiveFloat = 1.0
+
+
 class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # "async": compile on a bounded pool, readiness agreed each step.
     # "sync": compile inline at admission (forced by the external launcher).
@@ -114,6 +142,7 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     jump_forward_mode: Literal["exact", "greedy"] = "exact"
     reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
     triggers: TriggerConfig = msgspec.field(default_factory=TriggerConfig)
+    store: SpecStoreConfig = msgspec.field(default_factory=SpecStoreConfig)
 
     def __post_init__(self) -> None:
         wall = self.compile_wall_timeout_s

@@ -50,6 +50,7 @@ ENGINE_OPTIONS = frozenset(
         "num_cache_entries",
         "num_poison_entries",
         "max_pending",
+        "store",
     }
 )
 SECTIONS = ("grammar", "faults", "distributed")

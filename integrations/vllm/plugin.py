@@ -77,6 +77,12 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
     ),
     (
         "vllm.v1.structured_output",
+        "StructuredOutputManager.__init__",
+        ("self", "vllm_config"),
+        "with a spec store, builds VllmBackend at engine start: the warm start begins there",
+    ),
+    (
+        "vllm.v1.structured_output",
         "StructuredOutputManager.grammar_init",
         ("self", "request"),
         "builds VllmBackend before the if/elif; the grammar slot gets our Future",
@@ -313,12 +319,46 @@ def agreement_group(vllm_config: Any) -> Any | None:
     return get_tp_group().cpu_group
 
 
+def _build_backend(manager: Any) -> None:
+    """Make ``manager``'s backend ours (once): agreement group, async compile."""
+    from gramcoord.integrations.vllm.backend import VllmBackend
+
+    config = manager.vllm_config
+    manager.backend = VllmBackend(
+        config,
+        tokenizer=manager.tokenizer,
+        vocab_size=config.model_config.get_vocab_size(),
+        group=agreement_group(config),
+    )
+    # The agreement makes async compile safe under external_launcher.
+    manager._use_async_grammar_compilation = True
+
+
+def _warms_at_start(vllm_config: Any) -> bool:
+    """Whether the engine runs gramcoord with a spec store or an operator's list."""
+    so = vllm_config.structured_outputs_config
+    if so is None or so.backend != NAME or vllm_config.model_config.skip_tokenizer_init:
+        return False
+    from gramcoord.integrations.vllm.options import parse
+
+    extra = (vllm_config.additional_config or {}).get("gramcoord")
+    store = parse(extra, bool(so.disable_any_whitespace)).grammar.store
+    return store.dir is not None or bool(store.preload)
+
+
 def _wrap_manager() -> None:
     from vllm.v1.structured_output import StructuredOutputManager
 
     from gramcoord.integrations.vllm.backend import VllmBackend
 
+    init = StructuredOutputManager.__init__
     original = StructuredOutputManager.grammar_init
+
+    @functools.wraps(init)
+    def made(self, vllm_config):
+        init(self, vllm_config)
+        if _warms_at_start(vllm_config):  # the stored specs compile from the start on
+            _build_backend(self)
 
     @functools.wraps(original)
     def grammar_init(self, request):
@@ -326,19 +366,30 @@ def _wrap_manager() -> None:
         if sor is None:
             return original(self, request)
         if self.backend is None and sor.params._backend == NAME:
-            self.backend = VllmBackend(
-                self.vllm_config,
-                tokenizer=self.tokenizer,
-                vocab_size=self.vllm_config.model_config.get_vocab_size(),
-                group=agreement_group(self.vllm_config),
-            )
-            # The agreement makes async compile safe under external_launcher.
-            self._use_async_grammar_compilation = True
+            _build_backend(self)
         if isinstance(self.backend, VllmBackend):
             return self.backend.admit(request)
         return original(self, request)
 
+    StructuredOutputManager.__init__ = made
     StructuredOutputManager.grammar_init = grammar_init
+
+
+def _share_vllm_logging() -> None:
+    """gramcoord's log lines through vLLM's handlers, at INFO, as vLLM's own.
+
+    vLLM configures only its ``vllm`` logger: without this, gramcoord's
+    INFO lines (the backend it built, the spec store's warm start) never
+    reach the server's log.
+    """
+    ours = logging.getLogger("gramcoord")
+    handlers = logging.getLogger("vllm").handlers
+    if ours.handlers or not handlers:
+        return
+    for handler in handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def _wrap_scheduler() -> None:
@@ -415,6 +466,7 @@ def register() -> None:
     problems = check_internals()
     if problems:
         raise RuntimeError("gramcoord's vLLM plugin cannot patch vLLM: " + "; ".join(problems))
+    _share_vllm_logging()
     _widen_backend_literal()
     _wrap_validation()
     _wrap_manager()

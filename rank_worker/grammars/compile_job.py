@@ -108,6 +108,9 @@ class CompileJob:
         self.replaced = False
         # Pending requests using this job; at zero the job is released.
         self.users = 0
+        # A warm-start compile (``CompileService.warm``), run on the spec
+        # store's thread and held until a request takes it.
+        self.warm = False
         # Measured with perf_counter, independent of the (injectable)
         # deadline clock.
         self.compile_ms = 0.0

@@ -212,6 +212,10 @@ class CompileService:
 
     # -- submission -------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def inflight(self, key: bytes) -> CompileJob | None:
         return self._inflight.get(key)
 
@@ -223,14 +227,22 @@ class CompileService:
         a failure is shared (its key is poisoned at that decision). Only a
         job that never ran (saturated, aborted) is replaced by a new one.
         """
-        existing = self._inflight.get(spec.key)
-        if existing is not None and (existing.started_at is not None or not existing.done.is_set()):
-            existing.users += 1
+        with self._lock:
+            existing = self._inflight.get(spec.key)
+            joins = existing is not None and (
+                existing.started_at is not None or not existing.done.is_set()
+            )
+            if joins:
+                existing.users += 1
+            else:
+                job = CompileJob(spec)
+                job.users = 1
+                self._inflight[spec.key] = job
+                self.num_compiles += 1
+        if joins:
+            if self.sync:  # a warm-start compile of the key: inline means done at admission
+                existing.done.wait()
             return existing, True
-        job = CompileJob(spec)
-        job.users = 1
-        self._inflight[spec.key] = job
-        self.num_compiles += 1
         if self.sync:
             self._run(job)
         elif self.num_stuck() >= self.stuck_limit:
@@ -242,6 +254,26 @@ class CompileService:
         else:
             self._queue.put(job)
         return job, False
+
+    def warm(self, spec: GrammarSpec) -> CompileJob | None:
+        """Compile ``spec`` on the calling thread (the spec store's), for no request yet.
+
+        The job is in flight while it runs and after, so a request for the
+        key joins it instead of compiling; the caller holds it (one user)
+        until a request takes it or it is dropped (``release``). ``None``
+        when the key is in flight already or the service is closed. The
+        deadline is the same as any compile's; a stuck warm compile never
+        gets a spare worker (it holds none).
+        """
+        with self._lock:
+            if self._closed or spec.key in self._inflight:
+                return None
+            job = CompileJob(spec)
+            job.users, job.warm, job.replaced = 1, True, True
+            self._inflight[spec.key] = job
+            self.num_compiles += 1
+        self._run(job)
+        return job
 
     def _run(self, job: CompileJob) -> None:
         # One critical section: poll/close must never fail a job that a
@@ -325,10 +357,10 @@ class CompileService:
         A released job leaves the in-flight table; if it never started it is
         failed (``aborted``) so no worker compiles it for nobody.
         """
-        job.users -= 1
-        if job.users > 0:
-            return
         with self._lock:
+            job.users -= 1
+            if job.users > 0:
+                return
             if job.started_at is None and not job.done.is_set():
                 job.error = (ErrorCode.aborted, "no request needs this compile any more")
                 job.done.set()

@@ -15,6 +15,15 @@ the coordinator's ``Member``), or from ``step`` on one rank. The caches
 caches. The rank's per-rank API (``session.leader.StageLeader``) owns one
 manager; hosts reach it only through that API.
 
+With a spec store (``grammar.store``: ``spec_store``), the manager keeps
+the spec of every admitted request on disk and, at start, compiles the
+stored specs and the operator's lists on the store's thread at the lowest
+priority (``warm``). Those compiles never touch the caches: each stays a
+compile in flight, held until a request for its key joins it (``warm`` in
+the request's outcome) and the decision admits it like any compile. So the
+caches still change only at agreed points, and every rank of a group holds
+the same, whatever each one warmed.
+
 Here too: ``Entry``, a request as the manager holds it; ``ManagerStats``,
 its counters (``summary.json`` reads them); and ``refuse_seq`` /
 ``refuse_id``, the one check of sequence numbers and request ids.
@@ -23,6 +32,7 @@ its counters (``summary.json`` reads them); and ``refuse_seq`` /
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container, Iterable
@@ -49,7 +59,7 @@ from gramcoord.rank_worker.grammars.compile_service import (
     XGrammarBackend,
 )
 from gramcoord.rank_worker.grammars.outcome import CacheStatus, Lookup, Outcome
-from gramcoord.rank_worker.grammars.spec import GrammarSpec, TokenBudget, admit
+from gramcoord.rank_worker.grammars.spec import GrammarSpec, TokenBudget, admit, validate_spec
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,6 +84,8 @@ class Entry:
     job: Any = None
     warnings: tuple[str, ...] = ()
     compile_ms: float = 0.0
+    # The request's spec as the host gave it (kept for the spec store only).
+    raw: Any = None
 
     def outcome(self, status: str, *, code: str | None = None, message: str = "") -> Outcome:
         """This request's ``Outcome`` with ``status``."""
@@ -99,6 +111,8 @@ class ManagerStats(msgspec.Struct, kw_only=True):
     miss: int = 0
     hit: int = 0
     joined: int = 0
+    # Joined a warm-start compile of the spec store.
+    warm: int = 0
     poisoned: int = 0
     # Specs rejected by validation (never keyed or compiled).
     invalid_spec: int = 0
@@ -201,6 +215,113 @@ class GrammarManager:
         self.stats = ManagerStats()
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
+        # Warm-start compiles held for a request, by key, and every key
+        # admitted here (the store's thread skips those).
+        self._held: dict[bytes, Any] = {}
+        self._held_bytes = 0
+        self._held_lock = threading.Lock()
+        self._admitted_keys: set[bytes] = set()
+        # Set by a leader that decides alone: the other engines' verdicts
+        # (spec store) apply at once, at admission and at each step.
+        self.reads_verdicts = False
+        self.store = self._open_store()
+        if self.store is not None:
+            self.store.start()
+
+    # -- the spec store -----------------------------------------------------
+
+    def _open_store(self) -> Any:
+        """The spec store's thread, when ``grammar.store`` names a dir or lists."""
+        sc = self.config.store
+        if sc.dir is None and not sc.preload:
+            return None
+        from gramcoord.rank_worker.grammars.spec_store import SpecStore, SpecStoreThread
+
+        store = None
+        if sc.dir is not None:
+            try:
+                store = SpecStore(
+                    sc.dir,
+                    self.tokenizer.name,
+                    max_records=sc.max_records,
+                    max_spec_bytes=self.config.max_spec_bytes,
+                )
+            except OSError as exc:
+                logger.warning(
+                    "gramcoord spec store %s: cannot open it (%s); none used", sc.dir, exc
+                )
+        return SpecStoreThread(
+            store,
+            sc.preload,
+            max_spec_bytes=self.config.max_spec_bytes,
+            warm=self._warm,
+            read_verdicts=sc.share_verdicts,
+            poll_s=sc.verdict_poll_s,
+        )
+
+    def _warm(self, specs: list[Any]) -> None:
+        """Compile ``specs`` (``spec_store.Stored``, on the store's thread) and hold
+        each for its requests."""
+        budget = self.config.cache_limit_mb * 2**20
+        done = 0
+        for stored in specs:
+            if self.service.closed:
+                return
+            if len(self._held) >= self.config.num_cache_entries or self._held_bytes >= budget:
+                logger.info("gramcoord spec store: warm start stops at the compile cache's bound")
+                break
+            try:
+                spec = validate_spec(stored.spec, self.config, vocab=self.tokenizer.name)
+            except SpecError as exc:
+                self.store.refuse(stored.where, f"no longer valid ({exc.code.name}): {exc.message}")
+                continue
+            if stored.key is not None and spec.key != stored.key:
+                why = "outdated: its key is not the spec's (another gramcoord or other options)"
+                self.store.refuse(stored.where, why)
+                continue
+            if spec.key in self._admitted_keys:
+                continue
+            job = self.service.warm(spec)
+            if job is None:
+                continue
+            if job.error is not None:
+                self.service.release(job)
+                self.store.refuse(stored.where, f"its compile failed: {job.error[1]}")
+                continue
+            size = getattr(job.result, "memory_size_bytes", 0)
+            with self._held_lock:
+                if spec.key in self._admitted_keys:  # a request took it meanwhile
+                    self.service.release(job)
+                    continue
+                self._held[spec.key] = job
+                self._held_bytes += size
+            done += 1
+        logger.info(
+            "gramcoord spec store: %d specs compiled at start, %d refused",
+            done,
+            len(self.store.refused),
+        )
+
+    def _take_held(self, key: bytes) -> None:
+        """A request admitted ``key``: the warm-start hold on its compile ends."""
+        with self._held_lock:
+            self._admitted_keys.add(key)
+            job = self._held.pop(key, None)
+            if job is not None:
+                self._held_bytes -= getattr(job.result, "memory_size_bytes", 0)
+        if job is not None:
+            self.service.release(job)
+
+    def _take_verdicts(self) -> None:
+        """The other engines' verdicts read by the store's thread, applied now (alone only)."""
+        if self.store is not None and self.reads_verdicts:
+            verdicts = self.store.take_verdicts()
+            if verdicts:
+                self.caches.apply(verdicts)
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until the warm start ended; whether it did."""
+        return self.store is None or self.store.warmed.wait(timeout_s)
 
     def follow(self, wait_s: float) -> None:
         """Apply decisions made elsewhere (later stages, ``fill`` followers).
@@ -240,6 +361,7 @@ class GrammarManager:
         refused = refuse_id(request_id, seq, live=self._seq_of)
         if refused is not None:
             return refused
+        self._take_verdicts()
         # Hosts that pass only a vocabulary's name never give a budget.
         budget = (
             None if max_tokens is None else TokenBudget(max_tokens, self.tokenizer.max_token_bytes)
@@ -256,6 +378,8 @@ class GrammarManager:
                 message=exc.message,
             )
         entry = Entry(seq, request_id, gspec, "none", warnings=gspec.warnings)
+        if self.store is not None:
+            entry.raw = spec
         if why is not None:
             code = ErrorCode.grammar_unreachable_end.name
             return entry.outcome("failed", code=code, message=why)
@@ -323,7 +447,14 @@ class GrammarManager:
             entry.cache, entry.compiled = "hit", compiled
         else:
             entry.job, joined = self.service.submit(entry.spec)
-            entry.cache = "joined" if joined else "miss"
+            entry.cache = ("warm" if entry.job.warm else "joined") if joined else "miss"
+            if entry.cache == "warm":
+                logger.info(
+                    "request %s joined the warm-start compile of %s (%s)",
+                    entry.request_id,
+                    entry.spec.key.hex()[:12],
+                    "compiled" if entry.job.done.is_set() else "compiling",
+                )
         setattr(self.stats, entry.cache, getattr(self.stats, entry.cache) + 1)
         self._pending[entry.seq] = entry
 
@@ -369,9 +500,11 @@ class GrammarManager:
         default). New poison is dropped (no peers) unless ``keep_failures``.
         """
         clock = wall_clock_ms() if clock_ms is None else clock_ms
+        self.reads_verdicts = True  # deciding alone
+        self._take_verdicts()
         out = self.apply_decision(decide_alone(step, self.local_status(), clock))
         if not keep_failures:
-            self.caches.new_failures()
+            self.new_failures()
         return out
 
     def apply_decision(self, decision: Decision) -> list[Outcome]:
@@ -427,6 +560,9 @@ class GrammarManager:
             entry.compile_ms = job.compile_ms
             self.service.release(job)
         self.caches.compiled.put(entry.spec.key, entry.compiled)
+        if self.store is not None:
+            self._take_held(entry.spec.key)
+            self.store.used(entry.spec.key, entry.raw)
         self._running[entry.request_id] = entry
         self.stats.admitted += 1
         return entry.outcome("admitted")
@@ -464,8 +600,14 @@ class GrammarManager:
         return entry.outcome("failed", code=code, message=message)
 
     def new_failures(self) -> list[PoisonRecord]:
-        """Keys this rank poisoned since the last call (to share with DP peers)."""
-        return self.caches.new_failures()
+        """Keys this rank poisoned since the last call (to share with DP peers).
+
+        With a spec store, they go to the other engines on it too.
+        """
+        out = self.caches.new_failures()
+        if out and self.store is not None:
+            self.store.failed(out)
+        return out
 
     def apply_poison(self, records: Iterable[PoisonRecord]) -> None:
         """Poison keys decided elsewhere; TTLs run from each record's clock."""
@@ -540,3 +682,5 @@ class GrammarManager:
 
     def close(self) -> None:
         self.service.close()
+        if self.store is not None:
+            self.store.close()

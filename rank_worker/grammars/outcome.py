@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-CacheStatus = Literal["miss", "hit", "joined", "poisoned", "none"]
+CacheStatus = Literal["miss", "hit", "joined", "warm", "poisoned", "none"]
 
 
 class Outcome(msgspec.Struct, kw_only=True):

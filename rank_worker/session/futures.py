@@ -20,7 +20,8 @@ decision comes at most about a quarter later than the time already waited.
 
 A host builds one with :meth:`GrammarFutures.for_host` and calls only its
 verbs: ``submit``, ``step``, ``wait``, ``compiled``, ``release``, ``close``,
-and the cache verbs ``lookup``, ``poison`` and ``clear_cache``. It supplies
+the cache verbs ``lookup``, ``poison`` and ``clear_cache``, and
+``wait_warm`` at start. It supplies
 two callbacks: ``admit(outcome)`` makes the value of an admitted request
 (its grammar object, over ``compiled(request_id)``), and
 ``refuse(outcome)`` the value or exception of a failed one. The adapters
@@ -123,7 +124,16 @@ class GrammarFutures:
         distributed = distributed or DistributedConfig()
         leader = StageLeader.for_host(grammar, vocabulary, compile_fn, group, distributed)
         gap = distributed.agree_max_gap_steps if max_gap is None else max_gap
-        return cls(leader, admit=admit, refuse=refuse, max_gap=gap)
+        door = cls(leader, admit=admit, refuse=refuse, max_gap=gap)
+        wait_s = grammar.store.ready_wait_s
+        if wait_s > 0 and not door.wait_warm(wait_s):
+            logger.warning(
+                "gramcoord: the spec store's warm start is still compiling after %s=%gs; "
+                "serving meanwhile",
+                grammar.option("store.ready_wait_s"),
+                wait_s,
+            )
+        return door
 
     def submit(self, request_id: str, spec: Any, future: Future | None = None) -> Future:
         """Queue one request; its Future resolves in a later ``step`` (or now, if refused).
@@ -239,6 +249,11 @@ class GrammarFutures:
     def num_collectives(self) -> int:
         """Agreement collectives this rank has run."""
         return self.leader.num_collectives
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Hold the host's start up to ``timeout_s`` while the spec store's warm start
+        compiles (``grammar.store.ready_wait_s``); whether it ended."""
+        return self.leader.wait_warm(timeout_s)
 
     def join_replicas(self, replicas: Any) -> None:
         """Share poison with the host's other replicas (a ``ReplicaPoison``) from now on."""

@@ -108,6 +108,8 @@ class StageLeader:
     ) -> None:
         self._manager = manager
         self._coordinator = coordinator
+        # Alone, the rank may take other engines' verdicts at any time.
+        manager.reads_verdicts = coordinator is None
         self._comm = comm
         self.rank = rank
         self._on_admitted = on_admitted
@@ -296,6 +298,10 @@ class StageLeader:
     def compiled_here(self, request_id: str) -> bool:
         """Whether this rank's own compile of ``request_id`` ended (the decision may not have)."""
         return self._manager.compiled_here(request_id)
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until the spec store's warm start ended; whether it did."""
+        return self._manager.wait_warm(timeout_s)
 
     def wait_compiles(self, timeout_s: float) -> bool:
         """Sleep up to ``timeout_s`` on the oldest unfinished compile (never spins); whether done."""

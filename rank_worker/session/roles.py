@@ -190,6 +190,9 @@ def build_roles(
             )
     elif roles.rows_reader is not None:
         roles.reader = roles.rows_reader
+    wait_s = config.grammar.store.ready_wait_s
+    if roles.manager is not None and wait_s > 0 and not roles.manager.wait_warm(wait_s):
+        logger.warning("[rank %d] the spec store's warm start runs on past %gs", rank, wait_s)
     return roles
 
 

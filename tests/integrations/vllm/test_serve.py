@@ -23,7 +23,10 @@ vLLM loads the plugin through its ``vllm.general_plugins`` entry point.
   that does not parse, a compile error (400), a 200 KB schema past its
   deadline (422); ``{}`` is any JSON (200); the server log names the
   request and the code of each failure inside the engine;
-- a bad ``--additional-config`` stops the server at start, naming the field.
+- a bad ``--additional-config`` stops the server at start, naming the field;
+- with a spec store, a restarted server compiles what the last one served
+  before it is healthy, its first request joins that compile, and a
+  timeout on the last one is refused at once.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ import importlib.util
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -480,3 +485,73 @@ def test_a_named_tool_choice_through_the_responses_api_is_served(server: Server)
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), fn["parameters"])
     _still_serving(server)
+
+
+def _store_server(scratch: Path, store: Path, name: str) -> ServerProcess:
+    """A server of the docs with a spec store in ``store``, held at start until it is warm."""
+    extra = {
+        "gramcoord": {
+            "grammar": {
+                "compile_timeout_s": 5,
+                "compile_wall_timeout_s": 3600,
+                "store": {"dir": str(store), "ready_wait_s": 600},
+            },
+            "faults": EXTRA["gramcoord"]["faults"],
+        }
+    }
+    port = free_port()
+    proc = ServerProcess(
+        serve_script(port, extra), f"http://127.0.0.1:{port}", scratch / f"{name}.log",
+        cwd=scratch, env=_env(),
+    )  # fmt: skip
+    try:
+        proc.wait_healthy(START_DEADLINE_S)
+    except RuntimeError as exc:
+        assert proc.stop()
+        pytest.fail(f"the server with a spec store: {exc}")
+    return proc
+
+
+def _wait_for_files(folder: Path, n: int) -> list[Path]:
+    deadline = time.monotonic() + scaled(120)
+    while time.monotonic() < deadline:
+        found = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        if len(found) >= n:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{folder}: fewer than {n} records after {scaled(120):.0f} s")
+
+
+def test_a_restarted_server_answers_a_stored_schema_without_compiling_it(scratch: Path) -> None:
+    """The spec store in the real server: what one server served, the next one compiles at
+    start, before it is healthy, and its first request for it joins that compile; a timeout
+    on the first server is refused at once by the second, with no compile."""
+    store = scratch / "spec-store"
+    schema = SCHEMAS["point"]
+    hang = {"type": "object", "properties": {f"{FAULT_HANG}-store": {"type": "integer"}}}
+    first = _store_server(scratch, store, "store-first")
+    try:
+        client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="none", max_retries=0)
+        _check("point", _ask(client, "point", schema).choices[0])
+        assert _error(lambda: _ask(client, "hang", hang)).status_code == 422
+        (record,) = _wait_for_files(store / "specs", 1)
+        _wait_for_files(store / "verdicts", 1)
+        assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    finally:
+        assert first.stop()
+
+    again = _store_server(scratch, store, "store-again")
+    try:
+        log = again.log.read_text(errors="replace")
+        assert "gramcoord spec store: 1 specs compiled at start, 0 refused" in log, again.tail()
+        client = openai.OpenAI(base_url=f"{again.url}/v1", api_key="none", max_retries=0)
+        reply = _ask(client, "point", schema).choices[0]
+        assert reply.finish_reason in ("stop", "length")
+        log = again.log.read_text(errors="replace")
+        joined = re.findall(r"request (\S+) joined the warm-start compile of \w+ \(compiled\)", log)
+        assert len(joined) == 1, again.tail()
+        error = _error(lambda: _ask(client, "hang", hang))
+        assert error.status_code == 422 and "cached verdict" in error.body["message"], error.body
+        assert "its own time" in error.body["message"]  # the first server's words
+    finally:
+        assert again.stop()
