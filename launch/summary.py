@@ -224,6 +224,7 @@ def merge(
             "misses": sum(s.miss for s in stats),
             "poisoned_hits": sum(s.poisoned for s in stats),
             "joined": sum(s.joined for s in stats),
+            "warm": sum(s.warm for s in stats),
         },
         json_valid=checker.counts(),
         end_checks={

@@ -14,8 +14,10 @@ calls, its grammar objects, its call sites.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,12 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
-from gramcoord.integrations.vllm.options import front_end_config, parse, vllm_grammar_config
+from gramcoord.integrations.vllm.options import (
+    front_end_config,
+    parse,
+    vllm_grammar_config,
+    vocab_name,
+)
 from gramcoord.integrations.vllm.replicas import replica_poison
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.faults import RankFaults
@@ -76,10 +83,18 @@ _KIND_TO_VLLM = {
 COMPILE_THREADS = 1
 
 
-def own_compiler(host: XgrammarBackend) -> SafeStrings:
+def lone_compile_threads() -> int:
+    """xgrammar threads of a compile that starts while nothing decodes: this
+    process's CPUs, as vLLM's own compiler would use them. They still run at
+    the compile pool's nice, so requests that arrive meanwhile keep
+    precedence."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+def own_compiler(host: XgrammarBackend, threads: int = COMPILE_THREADS) -> SafeStrings:
     """The compiler under vLLM's compile calls: ``host``'s tokenizer info, xgrammar's
-    cache with vLLM's limit, ``COMPILE_THREADS`` threads; JSON strings kept free
-    of raw control characters (``SafeStrings``).
+    cache with vLLM's limit, ``threads`` threads; JSON strings kept free of raw
+    control characters (``SafeStrings``).
 
     xgrammar starts a compile's threads inside each call (one thread: none,
     the caller compiles), so they inherit the calling thread's nice and CPUs.
@@ -92,7 +107,7 @@ def own_compiler(host: XgrammarBackend) -> SafeStrings:
     tokenizer_info = host.compiler.compile_grammar('root ::= "a"').tokenizer_info
     compiler = xgr.GrammarCompiler(
         tokenizer_info,
-        max_threads=COMPILE_THREADS,
+        max_threads=threads,
         cache_enabled=True,
         cache_limit_bytes=vllm.envs.VLLM_XGRAMMAR_CACHE_MB * 1024 * 1024,
     )
@@ -167,6 +182,12 @@ class VllmBackend(StructuredOutputBackend):
         # vLLM's own compile calls (request types, whitespace rule, tokenizer
         # info) over our single-threaded compiler; vLLM's 8-thread one goes.
         self.host.compiler = own_compiler(self.host)
+        # The same calls over a compiler with every CPU, for a compile that
+        # starts while nothing decodes (``_compile_spec``); made on first use.
+        self._lone_host: XgrammarBackend | None = None
+        self._lone_lock = threading.Lock()
+        # vLLM's scheduler, known from its first step (``before_schedule``).
+        self._scheduler: Any = None
         self.vocab_size = self.host.vocab_size
         self.num_speculative_tokens = self.host.num_speculative_tokens
         so = self.vllm_config.structured_outputs_config
@@ -176,7 +197,7 @@ class VllmBackend(StructuredOutputBackend):
         self.global_rank = int(os.environ.get("RANK", "0"))
         faults = RankFaults.of(options.faults, self.global_rank)
         distributed = options.distributed
-        vocab = f"vllm:{self.vllm_config.model_config.tokenizer}:{self.vocab_size}"
+        vocab = vocab_name(self.vllm_config)
         self.grammars = GrammarFutures.for_host(
             self.config,
             HostVocabulary(vocab),
@@ -214,11 +235,34 @@ class VllmBackend(StructuredOutputBackend):
     # -- compiling -------------------------------------------------------------
 
     def _compile_spec(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """A validated spec compiled exactly as vLLM's xgrammar backend compiles it."""
+        """A validated spec compiled exactly as vLLM's xgrammar backend compiles it.
+
+        One xgrammar thread while requests decode (so the engine loop keeps
+        its core); every CPU when none does at the compile's start (a lone
+        request waits for nothing else: it compiles as fast as with vLLM's
+        own backend). The grammar is the same either way.
+        """
+        host = self.host if self._decoding() else self._lone()
         if spec.kind == "choice":  # vLLM's validation turns choices into grammars first
-            return self.host.compiler.compile_grammar(choice_ebnf(spec.text))
+            return host.compiler.compile_grammar(choice_ebnf(spec.text))
         text = "" if spec.kind == "json_object" else spec.text
-        return self.host.compile_grammar(_KIND_TO_VLLM[spec.kind], text).ctx
+        return host.compile_grammar(_KIND_TO_VLLM[spec.kind], text).ctx
+
+    def _decoding(self) -> bool:
+        """Whether vLLM's scheduler runs any request now (read on the compile thread)."""
+        scheduler = self._scheduler
+        return scheduler is not None and len(scheduler.running) > 0
+
+    def _lone(self) -> XgrammarBackend:
+        with self._lone_lock:
+            if self._lone_host is None:
+                threads = lone_compile_threads()
+                if threads == COMPILE_THREADS:
+                    self._lone_host = self.host
+                else:
+                    self._lone_host = copy.copy(self.host)
+                    self._lone_host.compiler = own_compiler(self.host, threads)
+            return self._lone_host
 
     def _grammar(
         self, ctx: xgr.CompiledGrammar, stop_token_ids: set[int] | None, request_id: str = ""
@@ -272,9 +316,11 @@ class VllmBackend(StructuredOutputBackend):
         code = outcome.code or ErrorCode.grammar_internal.name
         return GrammarInitError(outcome.request_id, code, outcome.message)
 
-    def before_schedule(self, num_unfinished: int) -> None:
+    def before_schedule(self, num_unfinished: int, scheduler: Any = None) -> None:
         """Top of every ``Scheduler.schedule``: sleep briefly if only grammars are awaited,
         then agree (every rank, every step but those the gap skips: ``futures``)."""
+        if self._scheduler is None:
+            self._scheduler = scheduler
         undecided = self.grammars.num_undecided
         if undecided and num_unfinished <= undecided:
             self.grammars.wait(0.02)

@@ -175,8 +175,15 @@ def check_engine_config(config: Any) -> None:
         parse(extra.get(NAME_KEY), bool(getattr(so, "disable_any_whitespace", False)))
 
 
-def install() -> None:
-    """Wrap ``EngineArgs.create_engine_config``: the section is checked before an engine starts."""
+def vocab_name(vllm_config: Any) -> str:
+    """The vocabulary's name in every grammar key of this engine (and its spec store)."""
+    model = vllm_config.model_config
+    return f"vllm:{model.tokenizer}:{model.get_vocab_size()}"
+
+
+def install(on_config: Any = None) -> None:
+    """Wrap ``EngineArgs.create_engine_config``: the section is checked before an engine
+    starts; then ``on_config(config)``, in the process that made the config."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_engine_config
@@ -185,6 +192,8 @@ def install() -> None:
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
         check_engine_config(config)
+        if on_config is not None:
+            on_config(config)
         return config
 
     EngineArgs.create_engine_config = create_engine_config

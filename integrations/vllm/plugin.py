@@ -91,7 +91,8 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "vllm.v1.core.sched.scheduler",
         "Scheduler.schedule",
         ("self", "throttle_prefills"),
-        "the agreement, once per engine step on every rank",
+        "the agreement, once per engine step on every rank; the scheduler's running list "
+        "says whether a compile starts alone",
     ),
     (
         "vllm.v1.core.sched.scheduler",
@@ -375,6 +376,54 @@ def _wrap_manager() -> None:
     StructuredOutputManager.grammar_init = grammar_init
 
 
+def _warm_front_end(vllm_config: Any) -> None:
+    """With a spec store, validate its specs in this (the front end's) process too.
+
+    Off the request path, on a thread at nice 19: the first request for a
+    stored spec after a restart then finds its verdict remembered
+    (``spec.admit``) and the validation modules imported, as a repeated
+    request does.
+    """
+    if not _warms_at_start(vllm_config):
+        return
+    from gramcoord.integrations.vllm.options import front_end_config, parse, vocab_name
+
+    so = vllm_config.structured_outputs_config
+    store = parse(
+        (vllm_config.additional_config or {}).get("gramcoord"), bool(so.disable_any_whitespace)
+    ).grammar.store
+    config = front_end_config(bool(so.disable_any_whitespace))
+    vocab = vocab_name(vllm_config)
+
+    def run() -> None:
+        from gramcoord.rank_worker.errors import SpecError
+        from gramcoord.rank_worker.grammars.spec import validate_spec
+        from gramcoord.rank_worker.grammars.spec_store import (
+            SpecStore,
+            lowest_priority,
+            read_preload_list,
+        )
+
+        lowest_priority()
+        specs = []
+        if store.dir is not None:
+            try:
+                found, _ = SpecStore(
+                    store.dir, vocab, max_records=store.max_records,
+                    max_spec_bytes=config.max_spec_bytes,
+                ).load()  # fmt: skip
+                specs += [s.spec for s in found]
+            except OSError:
+                pass  # the engine says so
+        for path in store.preload:
+            specs += [spec for _, spec in read_preload_list(path, config.max_spec_bytes)[0]]
+        for spec in specs:
+            with contextlib.suppress(SpecError):
+                validate_spec(spec, config)
+
+    threading.Thread(target=run, name="gramcoord-front-end-warm", daemon=True).start()
+
+
 def _share_vllm_logging() -> None:
     """gramcoord's log lines through vLLM's handlers, at INFO, as vLLM's own.
 
@@ -405,7 +454,7 @@ def _wrap_scheduler() -> None:
     def scheduled(self, *args, **kwargs):
         backend = self.structured_output_manager.backend
         if isinstance(backend, VllmBackend):
-            backend.before_schedule(self.get_num_unfinished_requests())
+            backend.before_schedule(self.get_num_unfinished_requests(), self)
         return schedule(self, *args, **kwargs)
 
     @functools.wraps(free)
@@ -474,7 +523,7 @@ def register() -> None:
     _wrap_dp_step()
     from gramcoord.integrations.vllm import failures, options
 
-    options.install()  # a bad additional_config['gramcoord'] stops the start
+    options.install(_warm_front_end)  # a bad additional_config['gramcoord'] stops the start
     failures.install()  # a grammar failed in the engine reaches the client
     _registered = True
     logger.info("gramcoord: registered the %r structured-output backend", NAME)

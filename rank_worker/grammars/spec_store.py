@@ -407,7 +407,7 @@ class SpecStoreThread:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
-        _lowest_priority()
+        lowest_priority()
         try:
             self._warm(self._gather())
             if self._read_verdicts:  # the verdicts at start hold before the first request
@@ -468,7 +468,7 @@ class SpecStoreThread:
         self._verdicts.extend(records)
 
 
-def _lowest_priority() -> None:
+def lowest_priority() -> None:
     """Nice 19 for the calling thread (Linux: nice is per thread); a no-op elsewhere."""
     if hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):

@@ -267,11 +267,10 @@ def test_bench_runs_from_the_installed_package(installed, tmp_path):
     """No checkout on the path: the benchmarks, their data and the default config
     come from the install."""
     code = (
-        "from gramcoord.benchmarks._contract import available, installed_data_dir, load;"
-        "from gramcoord.benchmarks._all import default_config;"
+        "from gramcoord.benchmarks._contract import available, installed_data_dir, load, package_dir;"
         "print(load('transport').__file__);"
         "print(installed_data_dir());"
-        "print(default_config()[0]);"
+        "print(package_dir('gramcoord.configs', 'local.yaml') / 'local.yaml');"
         "print(load('tp_followers').WORKLOAD);"
         "print(','.join(available()))"
     )
@@ -386,6 +385,46 @@ def test_hostile_records_fail_alone_and_the_run_completes(tmp_path, capfd):
     assert by_id["spec-é"]["error"]["code"] == "spec_bad_json"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["json_valid"]["unverifiable"] == 1
+
+
+def test_a_second_run_on_a_spec_store_compiles_nothing_on_the_request_path(tmp_path, capfd):
+    """``gramcoord run`` with ``grammar.store``: the first run keeps its specs; the next
+    compiles them at start, and each of its requests joins that compile."""
+    import json
+
+    lines = [
+        '{"id": "a", "structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 8}',
+        '{"id": "b", "structured_outputs": {"regex": "[0-9]{3}"}, "max_tokens": 8}',
+        '{"id": "c", "structured_outputs": {"json": {"type": "object", "properties":'
+        ' {"n": {"type": "integer"}}, "required": ["n"]}}, "max_tokens": 16}',
+    ]
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("\n".join(lines) + "\n")
+    store = tmp_path / "store"
+    outputs = []
+    for name in ("first", "again"):
+        out = tmp_path / name
+        argv = ["run", str(CONFIGS / "local.yaml"), "--workload", str(wl), "--out", str(out)]
+        for item in (
+            "launcher=inline",
+            "parallel.dp=1",
+            "parallel.tp=1",
+            f"grammar.store.dir={store}",
+            "grammar.store.ready_wait_s=120",
+        ):
+            argv += ["--set", item]
+        assert main(argv) == 0, capfd.readouterr()
+        cache = json.loads((out / "summary.json").read_text())["cache"]
+        recs = (out / "outputs.jsonl").read_text().splitlines()
+        outputs.append(sorted(json.loads(r)["token_ids"] for r in recs))
+        caches = sorted(json.loads(r)["cache"] for r in recs)
+        if name == "first":
+            assert cache["misses"] == 3 and cache["warm"] == 0, cache
+            assert len(list((store / "specs").glob("*.json"))) == 3
+        else:
+            assert cache["warm"] == 3 and cache["misses"] == 0, cache
+            assert caches == ["warm"] * 3  # each output record says so
+    assert outputs[0] == outputs[1]  # the same outputs, warm or not
 
 
 # -- an NCCL config on a machine that cannot run it -----------------------------------------

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import types
 from typing import Any
 
 import pytest
@@ -174,37 +175,58 @@ def _peak_threads(fn: Any) -> tuple[Any, int]:
 def test_compiles_run_on_a_niced_compile_thread_with_no_threads_of_their_own(
     gramcoord_llm, monkeypatch
 ) -> None:
+    """While vLLM's scheduler runs requests, a compile is one thread at nice +10;
+    one that starts while nothing runs may use every CPU, its threads at that nice."""
     import xgrammar as xgr
 
-    # A compile long enough for xgrammar's threads to show (many bounded strings).
-    props = {
-        f"p{i}_{time.time_ns()}": {"type": "string", "maxLength": 3 + i % 9} for i in range(40)
-    }
-    schema = {"type": "object", "properties": props}
+    from gramcoord.integrations.vllm.backend import lone_compile_threads
+
+    def schema() -> dict:
+        # A compile long enough for xgrammar's threads to show (many bounded strings).
+        props = {
+            f"p{i}_{time.time_ns()}": {"type": "string", "maxLength": 3 + i % 9} for i in range(40)
+        }
+        return {"type": "object", "properties": props}
+
     _run(gramcoord_llm, [_params({"type": "integer"}, max_tokens=2)])  # the backend exists
     backend = engine_backend(gramcoord_llm)
-    compiler = backend.host.compiler
-    original = compiler.compile_json_schema
-    seen: list[tuple[int, int, int]] = []
+    seen: list[tuple[str, int, int, int]] = []
 
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        tid = threading.get_native_id()
-        got, extra = _peak_threads(lambda: original(*args, **kwargs))
-        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid), extra))
-        return got
+    def record(name: str, compiler: Any) -> None:
+        original = compiler.compile_json_schema
 
-    monkeypatch.setattr(compiler, "compile_json_schema", recording)
-    ((tokens, reason),) = _run(gramcoord_llm, [_params(schema, max_tokens=4)])
-    assert reason == "length" and len(tokens) == 4
-    ((tid, nice, extra),) = seen
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            tid = threading.get_native_id()
+            got, extra = _peak_threads(lambda: original(*args, **kwargs))
+            seen.append((name, tid, os.getpriority(os.PRIO_PROCESS, tid), extra))
+            return got
+
+        monkeypatch.setattr(compiler, "compile_json_schema", recording)
+
+    record("busy", backend.host.compiler)
+    if lone_compile_threads() == 1:
+        pytest.skip("one CPU: a lone compile has no more threads to use")
+    record("lone", backend._lone().compiler)
+    # The scheduler as the compile thread reads it: a request running, then none.
+    scheduler = types.SimpleNamespace(running=[object()])
+    monkeypatch.setattr(backend, "_scheduler", scheduler)
+    for running in ([object()], []):
+        scheduler.running = running
+        ((tokens, reason),) = _run(gramcoord_llm, [_params(schema(), max_tokens=4)])
+        assert reason == "length" and len(tokens) == 4
+    (busy, tid, nice, extra), (lone, _, lone_nice, lone_extra) = seen
+    assert (busy, lone) == ("busy", "lone")
     # Compiled on a compile-pool thread at nice +10, not on the engine's thread ...
     assert tid != threading.main_thread().native_id
     assert backend.config.compile_nice == 10
-    assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
-    # ... by that thread alone: xgrammar started none (vLLM's compiler starts 8).
+    assert nice == lone_nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    # ... by that thread alone while requests run: xgrammar started none (vLLM's starts 8).
     assert extra == 0
+    compiler = backend.host.compiler
     eight = xgr.GrammarCompiler(
         compiler.compile_grammar('root ::= "a"').tokenizer_info, max_threads=8, cache_enabled=False
     )
-    _, extra8 = _peak_threads(lambda: eight.compile_json_schema(json.dumps(schema)))
+    _, extra8 = _peak_threads(lambda: eight.compile_json_schema(json.dumps(schema())))
     assert extra8 > 0  # the count above would have seen them
+    # Alone, with every CPU of the process (their threads inherit the nice).
+    assert lone_extra > 0

@@ -59,14 +59,32 @@ def _requests() -> list[list[dict[str, Any]]]:
     return [first, second, third]
 
 
+def _store_the_after_batch(model: Path, root: Path) -> None:
+    """A spec store holding the second batch's fast schemas, as a served engine keeps them."""
+    from gramcoord.benchmarks._vllm_common import VOCAB_SIZE
+    from gramcoord.integrations.vllm.options import vllm_grammar_config
+    from gramcoord.rank_worker.grammars.spec import validate_spec
+    from gramcoord.rank_worker.grammars.spec_store import SpecStore
+
+    vocab = f"vllm:{model}:{VOCAB_SIZE}"
+    store = SpecStore(root, vocab, max_records=16, max_spec_bytes=1 << 20)
+    config = vllm_grammar_config(False)
+    for r in _requests()[1]:
+        if r["id"].startswith("after"):
+            raw = {"json": json.dumps(r["schema"])}  # vLLM's key of a schema object
+            assert store.used(validate_spec(raw, config, vocab=vocab).key, raw)
+
+
 @pytest.fixture(scope="module")
 def tp_out(tiny_model, tmp_path_factory) -> Path:
     """The directory of one torchrun TP=2 run's per-rank results."""
     out = tmp_path_factory.mktemp("tp")
     requests = out / "requests.json"
     requests.write_text(json.dumps(_requests()))
+    _store_the_after_batch(tiny_model, out / "store")
     env = {
         **os.environ,
+        "STORE_DIR": str(out / "store"),
         "FAIL_MARK": "1:fault_me",
         "GATE_MARK": SLOW_MARK,
         "FLIP": FLIP,
@@ -111,6 +129,15 @@ def test_both_ranks_agree_and_keep_compiles_async(tp_run) -> None:
     fast = [r0[f"fast{i}"] for i in range(6)]
     assert all(f["reason"] in ("stop", "length") for f in fast)
     assert r0["slow"]["reason"] in ("stop", "length")
+
+
+def test_both_ranks_warm_the_stored_specs_and_decide_alike(tp_run) -> None:
+    """Each rank compiled the stored schemas at start; their requests joined those
+    compiles on both ranks, and were admitted on the same step."""
+    for rank in (0, 1):
+        assert tp_run[rank]["_stats"]["warm"] == 3, tp_run[rank]["_stats"]
+    for i in range(3):
+        assert tp_run[0][f"after{i}"] == tp_run[1][f"after{i}"]
 
 
 def test_the_slow_compile_holds_nobody_up(tp_run, tp_times) -> None:
@@ -188,8 +215,9 @@ NEVER_LOADED = (
 )
 # Our modules (packages included) a TP=2 external-launcher rank holds after
 # its requests: the plugin, the grammar manager and its validation, the
-# stage leader with the agreement, and the TP mask digests.
-MAX_MODULES_TP2 = 46
+# stage leader with the agreement, the TP mask digests, and the spec store
+# this run uses.
+MAX_MODULES_TP2 = 47
 
 
 def test_a_vllm_rank_loads_only_what_it_runs(tp_run, tp_out) -> None:
