@@ -14,6 +14,7 @@ calls, its grammar objects, its call sites.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -114,6 +115,43 @@ def own_compiler(host: XgrammarBackend, threads: int = COMPILE_THREADS) -> SafeS
     return SafeStrings(compiler)
 
 
+class LoneCompile:
+    """A compile started with every CPU: the threads xgrammar starts for it can be
+    sent to nice 19 once requests decode beside it.
+
+    xgrammar starts a compile's threads inside the call, and they inherit the
+    compile thread's nice; those are the threads that appear after the
+    compile started at exactly that nice (the engine's own run at the
+    process's). The compile thread itself keeps its nice: it is a pool
+    worker that later compiles run on.
+    """
+
+    def __init__(self, nice: int) -> None:
+        self.tid = threading.get_native_id()
+        self.nice: int | None = None
+        self.before: set[str] = set()
+        self.yielded = False
+        if nice > 0:
+            with contextlib.suppress(OSError):  # no /proc: nothing to yield
+                self.before = set(os.listdir("/proc/self/task"))
+                self.nice = os.getpriority(os.PRIO_PROCESS, self.tid)
+
+    def yield_cpus(self) -> None:
+        """Nice 19 for the compile's own threads (once; raising a nice needs no privilege)."""
+        if self.yielded or self.nice is None:
+            return
+        self.yielded = True
+        try:
+            names = set(os.listdir("/proc/self/task")) - self.before
+        except OSError:
+            return
+        for name in names:
+            with contextlib.suppress(OSError, ValueError):
+                tid = int(name)
+                if os.getpriority(os.PRIO_PROCESS, tid) == self.nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, 19)
+
+
 class GrammarInitError(RuntimeError):
     """Why a request's grammar will never be ready; the same text on every rank."""
 
@@ -186,6 +224,7 @@ class VllmBackend(StructuredOutputBackend):
         # starts while nothing decodes (``_compile_spec``); made on first use.
         self._lone_host: XgrammarBackend | None = None
         self._lone_lock = threading.Lock()
+        self._lone_compiles: set[LoneCompile] = set()
         # vLLM's scheduler, known from its first step (``before_schedule``).
         self._scheduler: Any = None
         self.vocab_size = self.host.vocab_size
@@ -240,9 +279,26 @@ class VllmBackend(StructuredOutputBackend):
         One xgrammar thread while requests decode (so the engine loop keeps
         its core); every CPU when none does at the compile's start (a lone
         request waits for nothing else: it compiles as fast as with vLLM's
-        own backend). The grammar is the same either way.
+        own backend). Should requests start decoding meanwhile, the threads
+        xgrammar started for it drop to nice 19 (``before_schedule``). The
+        grammar is the same either way.
         """
-        host = self.host if self._decoding() else self._lone()
+        if self._decoding():
+            return self._compile_on(self.host, spec)
+        host = self._lone()
+        if host is self.host:
+            return self._compile_on(host, spec)
+        lone = LoneCompile(self.config.compile_nice)
+        with self._lone_lock:
+            self._lone_compiles.add(lone)
+        try:
+            return self._compile_on(host, spec)
+        finally:
+            with self._lone_lock:
+                self._lone_compiles.discard(lone)
+
+    @staticmethod
+    def _compile_on(host: XgrammarBackend, spec: GrammarSpec) -> xgr.CompiledGrammar:
         if spec.kind == "choice":  # vLLM's validation turns choices into grammars first
             return host.compiler.compile_grammar(choice_ebnf(spec.text))
         text = "" if spec.kind == "json_object" else spec.text
@@ -324,6 +380,10 @@ class VllmBackend(StructuredOutputBackend):
         undecided = self.grammars.num_undecided
         if undecided and num_unfinished <= undecided:
             self.grammars.wait(0.02)
+        elif self._lone_compiles and num_unfinished > undecided:
+            with self._lone_lock:
+                for lone in self._lone_compiles:
+                    lone.yield_cpus()
         self.grammars.step()
 
     def release(self, request_id: str) -> None:

@@ -230,3 +230,45 @@ def test_compiles_run_on_a_niced_compile_thread_with_no_threads_of_their_own(
     assert extra8 > 0  # the count above would have seen them
     # Alone, with every CPU of the process (their threads inherit the nice).
     assert lone_extra > 0
+
+
+def test_a_lone_compile_sends_its_own_threads_to_nice_19_once_requests_decode() -> None:
+    """``LoneCompile.yield_cpus``: the threads started after the compile did, at its nice,
+    go to nice 19; the compile thread and every other thread keep theirs."""
+    from gramcoord.integrations.vllm.backend import LoneCompile
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    nice = min(18, base + 10)
+    got: dict[str, int] = {}
+    stop = threading.Event()
+
+    def helper(name: str) -> None:  # a thread xgrammar would start inside the compile
+        got[name] = threading.get_native_id()
+        stop.wait(30)
+
+    def compile_thread() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+        lone = LoneCompile(nice - base)
+        helpers = [threading.Thread(target=helper, args=(f"h{i}",)) for i in range(2)]
+        for h in helpers:
+            h.start()
+        while len(got) < 2:
+            time.sleep(0.01)
+        lone.yield_cpus()
+        got["compile"] = tid
+        got["compile_nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+        got["helper_nice"] = [os.getpriority(os.PRIO_PROCESS, got[f"h{i}"]) for i in range(2)]
+        stop.set()
+        for h in helpers:
+            h.join()
+
+    other = threading.Thread(target=stop.wait, args=(30,))  # the engine's, at the base nice
+    other.start()
+    t = threading.Thread(target=compile_thread)
+    t.start()
+    t.join(30)
+    other.join(30)
+    assert got["helper_nice"] == [19, 19]
+    assert got["compile_nice"] == nice  # a pool worker: later compiles run on it
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
