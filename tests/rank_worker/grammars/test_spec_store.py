@@ -98,6 +98,15 @@ def _settle(manager: GrammarManager) -> None:
     manager.store = None
 
 
+def _served_before(root, tokenizer, managers, specs) -> GrammarManager:
+    """An engine that served ``specs`` on the store in ``root``, then stopped."""
+    first = managers(_config(root), tokenizer, Counting(tokenizer))
+    _serve(first, specs)
+    _settle(first)
+    first.close()
+    return first
+
+
 @pytest.fixture
 def managers():
     made: list[GrammarManager] = []
@@ -131,10 +140,7 @@ def test_admitted_specs_are_kept_as_private_plain_records(tmp_path, tiny_tokeniz
 def test_a_restart_compiles_the_stored_specs_and_their_requests_join_them(
     tmp_path, tiny_tokenizer, managers
 ):
-    first = managers(_config(tmp_path), tiny_tokenizer, Counting(tiny_tokenizer))
-    _serve(first, SPECS)
-    _settle(first)
-    first.close()
+    _served_before(tmp_path, tiny_tokenizer, managers, SPECS)
 
     backend = Counting(tiny_tokenizer)
     again = managers(_config(tmp_path), tiny_tokenizer, backend)
@@ -154,10 +160,7 @@ def test_a_restart_compiles_the_stored_specs_and_their_requests_join_them(
 
 
 def test_a_request_joins_a_warm_compile_still_running(tmp_path, tiny_tokenizer, managers):
-    first = managers(_config(tmp_path), tiny_tokenizer, Counting(tiny_tokenizer))
-    _serve(first, SPECS[:1])
-    _settle(first)
-    first.close()
+    first = _served_before(tmp_path, tiny_tokenizer, managers, SPECS[:1])
 
     text = validate_spec(SPECS[0], first.config, vocab="tiny").text
     backend = Counting(tiny_tokenizer, gated={text})
@@ -174,10 +177,7 @@ def test_a_request_joins_a_warm_compile_still_running(tmp_path, tiny_tokenizer, 
 def test_a_store_refuses_bad_records_one_by_one_and_the_engine_starts(
     tmp_path, tiny_tokenizer, managers
 ):
-    first = managers(_config(tmp_path), tiny_tokenizer, Counting(tiny_tokenizer))
-    _serve(first, SPECS[:1])
-    _settle(first)
-    first.close()
+    first = _served_before(tmp_path, tiny_tokenizer, managers, SPECS[:1])
     specs = tmp_path / "specs"
     (good,) = specs.iterdir()
     record = msgspec.json.decode(good.read_bytes(), type=SpecRecord)
@@ -347,10 +347,7 @@ class TwoRanks:
 
 
 def test_two_ranks_that_warm_at_different_speeds_decide_alike(tmp_path, tiny_tokenizer, managers):
-    first = managers(_config(tmp_path), tiny_tokenizer, Counting(tiny_tokenizer))
-    _serve(first, SPECS)
-    _settle(first)
-    first.close()
+    first = _served_before(tmp_path, tiny_tokenizer, managers, SPECS)
 
     slow_text = validate_spec(SPECS[1], first.config, vocab="tiny").text
     ranks = TwoRanks(tiny_tokenizer, tmp_path, slow_text)
@@ -383,10 +380,7 @@ def test_two_ranks_that_warm_at_different_speeds_decide_alike(tmp_path, tiny_tok
 
 
 def test_a_sync_request_waits_for_the_warm_compile_it_joins(tmp_path, tiny_tokenizer, managers):
-    first = managers(_config(tmp_path), tiny_tokenizer, Counting(tiny_tokenizer))
-    _serve(first, SPECS[:1])
-    _settle(first)
-    first.close()
+    first = _served_before(tmp_path, tiny_tokenizer, managers, SPECS[:1])
     text = validate_spec(SPECS[0], first.config, vocab="tiny").text
     backend = Counting(tiny_tokenizer, gated={text})
     config = GrammarConfig(compile_mode="sync", store=SpecStoreConfig(dir=str(tmp_path)))
