@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import threading
@@ -56,6 +57,13 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "SamplingParams._validate_structured_outputs",
         ("self", "model_config", "structured_outputs_config", "tokenizer"),
         "front-end validation: vLLM's xgrammar rules, then ours (VLLMValidationError, 400)",
+    ),
+    (
+        "vllm.v1.structured_output.backend_lm_format_enforcer",
+        "validate_structured_output_request_lm_format_enforcer",
+        ("params",),
+        "imported by vLLM's validation on the first structured request; a spec store's "
+        "warm start imports it before",
     ),
     (
         "vllm.v1.structured_output.backend_xgrammar",
@@ -376,6 +384,9 @@ def _wrap_manager() -> None:
     StructuredOutputManager.grammar_init = grammar_init
 
 
+_FIRST_REQUEST_IMPORT = "vllm.v1.structured_output.backend_lm_format_enforcer"
+
+
 def _warm_front_end(vllm_config: Any) -> None:
     """With a spec store, validate its specs in this (the front end's) process too.
 
@@ -396,6 +407,10 @@ def _warm_front_end(vllm_config: Any) -> None:
     vocab = vocab_name(vllm_config)
 
     def run() -> None:
+        # vLLM's validation imports this on the first structured request (about
+        # 25 ms here); a warm start has it imported before.
+        with contextlib.suppress(ImportError):
+            importlib.import_module(_FIRST_REQUEST_IMPORT)
         from gramcoord.rank_worker.errors import SpecError
         from gramcoord.rank_worker.grammars.spec import validate_spec
         from gramcoord.rank_worker.grammars.spec_store import (
