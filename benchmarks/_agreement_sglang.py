@@ -1,10 +1,10 @@
 """The SGLang-style agreement step, and the pending windows every contender decides.
 
-``gramcoord bench agreement`` (its ranks: ``benchmarks/_agreement_ranks.py``)
-and ``gramcoord bench scale`` time our coordinator against
-:func:`sglang_step`: SGLang's way of agreeing, pickled ``all_gather_object``
-of the ready/failed index sets, then set intersection/union, with pickled
-objects down a pipeline chain. Both decide the same windows:
+``gramcoord bench agreement`` and ``gramcoord bench scale`` time our
+coordinator against :func:`sglang_step`: SGLang's way of agreeing, pickled
+``all_gather_object`` of the ready/failed index sets, then set
+intersection/union, with pickled objects down a pipeline chain. Both decide
+the same windows:
 :func:`shared_status` (half ready, a quarter pending, a quarter failed) and
 :func:`local_status` (the same, with a few requests that other DP members
 see ready still pending or failed on this one), held by a

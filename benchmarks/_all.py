@@ -8,35 +8,21 @@ killed. The shared-memory reaper of ``gramcoord.sync.janitor`` runs in a
 session of its own, so it outlives the group and removes what a killed
 child left in ``/dev/shm``.
 
-Before the benchmarks, the default config (``configs/local.yaml``, as
-installed with the package) runs its workload once (``gramcoord run``), and
-its ``summary.json`` gives the per-step latency breakdown.
-
-Written to ``DIR``:
-
-- ``NAME/bench.json`` and ``NAME/log.txt`` per benchmark, ``run/`` for the
-  default config's run (``run/log.txt`` its console);
-- ``bench.json``: every record (``BenchRecord``, ``bench`` naming its
-  benchmark), one error row (``error`` set) per benchmark that failed;
-- ``bench_runs.json``: per benchmark its arguments, exit, wall time;
-- ``bench_meta.json``: the command, the commit of the code, the machine's
-  CPUs and load, and the breakdown;
-- ``bench.md``: the tables (``benchmarks/_tables.py``);
-- ``bench.png``: ratio against target per record, and the breakdown
-  (``benchmarks/_plot.py``).
-
-On the console: a line per benchmark as it runs, then the records as a
-table cut to the terminal's width (``$COLUMNS``; notes shortened, whole in
-``bench.md``), and last the count of targets met and missed.
+Written to ``DIR``: ``NAME/bench.json`` and ``NAME/log.txt`` per benchmark;
+``bench.json`` (every record, ``bench`` naming its benchmark, one error row
+per benchmark that failed); ``bench_runs.json`` (per benchmark its
+arguments, exit, wall time); ``bench_meta.json`` (the command, the commit
+of the code, the machine's CPUs and load); ``bench.md`` (the tables). On
+the console: a line per benchmark as it runs, the records cut to the
+terminal's width (``$COLUMNS``), and the count of targets met and missed.
 
 The arguments of each benchmark (``PLANS``) keep the whole run under ten
 minutes on a shared 2-core machine; ``--quick`` takes smaller ones for a
 smoke run, ``--args NAME=ARGS`` replaces them, ``--only`` picks benchmarks.
-
 ``--page docs/performance.md`` also writes the tables of ``bench.md``, under
-the command and the commit, into that page between its ``bench-all``
-markers; ``--render`` runs nothing and rebuilds ``bench.md`` (and the page)
-from the files of an earlier run in ``DIR``.
+the command and the commit, between that page's ``bench-all`` markers;
+``--render`` runs nothing and rebuilds ``bench.md`` (and the page) from the
+files of an earlier run in ``DIR``.
 """
 
 from __future__ import annotations
@@ -56,32 +42,21 @@ import msgspec
 from gramcoord.benchmarks._contract import (
     BenchRecord,
     available,
+    cells,
     end_group,
-    package_dir,
+    format_table,
+    shorten,
     spawn,
     write_records,
-)
-from gramcoord.benchmarks._tables import (
-    BenchMeta,
-    BenchRun,
-    StepBreakdown,
-    breakdown_of,
-    code_commit,
-    console_table,
-    markdown,
-    page_section,
-    shorten,
-    splice,
-    targets_line,
 )
 
 # Seconds a terminated process group gets before it is killed.
 GRACE_S = 5.0
-# The whole run, config run included; a benchmark's deadline never passes it.
+# The whole run; a benchmark's deadline never passes it.
 BUDGET_S = 590.0
-RUN_TIMEOUT_S = 180.0
-# For a benchmark with no plan (one added since): its own defaults.
-DEFAULT_TIMEOUT_S = 240.0
+# The generated part of a page (docs/performance.md) lies between these lines.
+PAGE_BEGIN = "<!-- bench-all: begin -->"
+PAGE_END = "<!-- bench-all: end -->"
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,31 +65,28 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     args: tuple[str, ...] = ()
     # Arguments of ``--quick``: a smoke run, figures too noisy to quote.
     quick: tuple[str, ...] = ()
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = 240.0
 
 
 # The full plans took 166 s on the shared 2-core machine when quiet and 499 s
 # at load 8-15 (per benchmark: each run's bench_runs.json); each timeout is about
-# twice a benchmark's loaded wall time.
-# Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas),
+# twice a benchmark's loaded wall time. A benchmark without a plan runs with
+# its defaults. Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas),
 # jump_forward's tiny-LM rows (32 -> 16 instances), scale's 16-rank world.
 PLANS: dict[str, Plan] = {
     "agreement": Plan(quick=("--worlds", "2", "--pending", "64", "--repeat", "11"), timeout_s=180),
     "compile": Plan(args=("--schemas", "10"), quick=("--repeat", "5", "--schemas", "8")),
     "fill": Plan(quick=("--batches", "64", "--repeat", "11", "--max-schemas", "40"), timeout_s=120),
     "jump_forward": Plan(
-        args=("--hf-schemas", "16"),
-        quick=("--models", "synthetic", "--schemas", "30"),
-        timeout_s=240,
+        args=("--hf-schemas", "16"), quick=("--models", "synthetic", "--schemas", "30")
     ),
     "scale": Plan(
         args=("--ranks", "2", "4", "8", "--repeat", "10"),
         quick=("--ranks", "2", "4", "--pending", "64", "--repeat", "5"),
-        timeout_s=240,
     ),
-    "step": Plan(quick=("--limit", "8", "--rounds", "1"), timeout_s=240),
+    "step": Plan(quick=("--limit", "8", "--rounds", "1")),
     "tp_followers": Plan(quick=("--requests", "8", "--max-tokens", "32"), timeout_s=120),
-    "transport": Plan(quick=("--iters", "50", "--warmup", "5", "--rounds", "1"), timeout_s=240),
+    "transport": Plan(quick=("--iters", "50", "--warmup", "5", "--rounds", "1")),
     # Four real vLLM engines (two in-process, two TP=2 pairs): about 5 min.
     "vllm": Plan(quick=("--quick",), timeout_s=600),
 }
@@ -126,6 +98,32 @@ NEEDS: dict[str, tuple[str, str]] = {
         "run it from .venv-vllm (`make venv-vllm`): .venv-vllm/bin/gramcoord bench vllm",
     ),
 }
+
+
+class BenchRun(msgspec.Struct, kw_only=True):
+    """One benchmark's child process."""
+
+    name: str
+    args: list[str]
+    wall_s: float = 0.0
+    # None: killed on its deadline (or never started).
+    exit_code: int | None = None
+    num_records: int = 0
+    error: str | None = None
+    # Set when it was not run because this environment cannot run it (why).
+    skipped: str | None = None
+
+
+class BenchMeta(msgspec.Struct, kw_only=True):
+    """Where one ``bench all`` run's figures come from (``bench_meta.json``)."""
+
+    # The command as it was given, e.g. "gramcoord bench all --out bench-out".
+    command: str
+    # The checkout's commit ("-dirty" when tracked files had changes), or why unknown.
+    commit: str
+    cpus: int
+    # The 1-minute load average when the run started.
+    load_avg: float
 
 
 def missing_need(name: str) -> str | None:
@@ -140,7 +138,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="gramcoord bench all --out DIR",
         description="Run every benchmark, each in a child process with a deadline, and write "
-        "DIR/bench.json, bench.md, bench.png and each benchmark's own DIR/NAME/.",
+        "DIR/bench.json, bench.md and each benchmark's own DIR/NAME/.",
     )
     p.add_argument("--quick", action="store_true", help="smaller arguments: a smoke run")
     p.add_argument("--only", help="comma-separated benchmarks to run (default: all of them)")
@@ -154,7 +152,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--timeout-s", type=float, help="deadline of each benchmark (default: its plan)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="deadline of the whole run")
-    p.add_argument("--no-run", action="store_true", help="skip the default config's run")
     p.add_argument(
         "--page",
         type=Path,
@@ -186,52 +183,40 @@ def _selection(opts: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(
             f"unknown benchmark(s) {', '.join(unknown)}; available: {', '.join(names)}"
         )
-    out = {}
-    for name in chosen:
-        plan = PLANS.get(name, Plan())
-        out[name] = given.get(name, list(plan.quick if opts.quick else plan.args))
-    return out
+    plans = {n: PLANS.get(n, Plan()) for n in chosen}
+    return {n: given.get(n, list(p.quick if opts.quick else p.args)) for n, p in plans.items()}
+
+
+def _say(text: str) -> None:
+    """A line on the console, cut to its width ($COLUMNS, else the terminal's, else 100)."""
+    print(shorten(text, _width()), flush=True)
 
 
 def _width() -> int:
-    """The console's width ($COLUMNS, else the terminal's, else 100 columns)."""
     return max(shutil.get_terminal_size((100, 24)).columns, 40)
 
 
-def run_child(cmd: list[str], log: Path, timeout_s: float) -> tuple[int | None, float]:
-    """Run ``cmd`` with its output in ``log``; (exit status or None on the deadline, wall s)."""
+def _bench_one(
+    name: str, args: list[str], out: Path, timeout_s: float
+) -> tuple[BenchRun, list[BenchRecord]]:
+    """Run ``gramcoord bench NAME`` in a child with a deadline; its group is ended on every path."""
+    cmd = [sys.executable, "-m", "gramcoord.launch.cli", "bench", name, "--out", str(out)]
+    (out / "bench.json").unlink(missing_ok=True)  # never report a previous run's rows
     t0 = time.monotonic()
-    proc = spawn(cmd, log)
+    proc = spawn([*cmd, "--", *args], out / "log.txt")
     try:
         rc: int | None = proc.wait(timeout=max(timeout_s, 0.1))
     except subprocess.TimeoutExpired:
         rc = None
     finally:  # a Ctrl-C here must not leave the group running
         end_group(proc, GRACE_S)
-    return rc, time.monotonic() - t0
-
-
-def _last_line(log: Path) -> str:
-    try:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return lines[-1][:300] if lines else ""
-
-
-def _bench_one(
-    name: str, args: list[str], out: Path, timeout_s: float
-) -> tuple[BenchRun, list[BenchRecord]]:
-    cmd = [sys.executable, "-m", "gramcoord.launch.cli", "bench", name, "--out", str(out)]
-    cmd += ["--", *args]
-    (out / "bench.json").unlink(missing_ok=True)  # never report a previous run's rows
-    rc, wall = run_child(cmd, out / "log.txt", timeout_s)
-    run = BenchRun(name=name, args=args, wall_s=round(wall, 1), exit_code=rc)
+    run = BenchRun(name=name, args=args, wall_s=round(time.monotonic() - t0, 1), exit_code=rc)
     records: list[BenchRecord] = []
     if rc is None:
         run.error = f"timed out after {timeout_s:.0f} s"
     elif rc != 0:
-        run.error = f"exit {rc}: {_last_line(out / 'log.txt')}"
+        lines = (out / "log.txt").read_text(errors="replace").strip().splitlines()
+        run.error = f"exit {rc}: {lines[-1].strip()[:300] if lines else ''}"
     else:
         try:
             records = msgspec.json.decode((out / "bench.json").read_bytes(), type=list[BenchRecord])
@@ -243,40 +228,102 @@ def _bench_one(
     return run, records
 
 
-def default_config() -> tuple[Path, Path]:
-    """The default config and its workload, as installed (``configs/`` in a checkout)."""
-    root = package_dir("gramcoord.configs", "local.yaml")
-    if root is None:
-        raise SystemExit("gramcoord.configs (configs/local.yaml) is not installed; use --no-run")
-    return root / "local.yaml", root / "workload.jsonl"
+# -- the report -------------------------------------------------------------------
 
 
-def _config_run(out: Path, timeout_s: float) -> StepBreakdown:
-    config, workload = default_config()
-    cmd = [sys.executable, "-m", "gramcoord.launch.cli", "run", str(config)]
-    cmd += ["--workload", str(workload), "--out", str(out)]
-    (out / "summary.json").unlink(missing_ok=True)
-    rc, wall = run_child(cmd, out / "log.txt", timeout_s)
-    label = "configs/local.yaml"
-    if rc != 0:
-        why = (
-            f"timed out after {timeout_s:.0f} s"
-            if rc is None
-            else f"exit {rc}: {_last_line(out / 'log.txt')}"
-        )
-        return StepBreakdown(config=label, wall_s=round(wall, 1), error=why)
-    return breakdown_of(out / "summary.json", label, round(wall, 1))
+def code_commit() -> str:
+    """The checkout's commit that this code is, ``-dirty`` with tracked changes."""
+    here = str(Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", here, *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not run from a git checkout)"
+    return f"{commit}-dirty" if dirty else commit
 
 
-def _write_report(
-    out_dir: Path,
-    records: list[BenchRecord],
-    runs: list[BenchRun],
-    meta: BenchMeta,
-    page: Path | None,
-) -> None:
+def target_counts(records: list[BenchRecord]) -> tuple[int, int, int]:
+    """Records with a target: (met, missed, benchmarks failed)."""
+    targeted = [r for r in records if r.met is not None]
+    met = sum(1 for r in targeted if r.met)
+    failed = sum(1 for r in targeted if r.error is not None)
+    return met, len(targeted) - met - failed, failed
+
+
+def targets_line(records: list[BenchRecord]) -> str:
+    """The verdict ``gramcoord bench all`` ends with."""
+    return "targets: {} met, {} missed, {} benchmarks failed".format(*target_counts(records))
+
+
+def _table(head: str, rows: list[list[str]]) -> str:
+    """A Markdown table: ``head`` is its first two lines; pipes in cells are escaped."""
+    esc = [" | ".join(c.replace("|", "\\|").replace("\n", " ") for c in row) for row in rows]
+    return "\n".join([head, *(f"| {row} |" for row in esc)])
+
+
+RECORDS_HEAD = (
+    "| benchmark | record | baseline | ours ms | baseline ms | ratio | target | met | note |\n"
+    "|---|---|---|---:|---:|---:|---|---|---|"
+)
+
+
+def markdown(records: list[BenchRecord], runs: list[BenchRun]) -> str:
+    """``bench.md``: the records with a target and the failed benchmarks (the table
+    docs/performance.md shows first), the runs, then every record."""
+
+    def rows(rs: list[BenchRecord]) -> list[list[str]]:
+        return [[r.bench, "-" if r.error else r.name, *cells(r, bold=True)] for r in rs]
+
+    met, missed, failed = target_counts(records)
+    run_rows = [
+        [
+            run.name,
+            f"`{shlex.join(run.args)}`" if run.args else "(its defaults)",
+            f"{run.wall_s:.1f}",
+            run.error or run.skipped or f"{run.num_records} records",
+        ]
+        for run in runs
+    ]
+    parts = [
+        f"**Targets**: {met} met, {missed} missed (**NO**), {failed} benchmarks failed "
+        "(**ERROR**). `ratio` = baseline ms / ours ms, higher is better; each pair is "
+        "measured side by side in one run.",
+        _table(RECORDS_HEAD, rows([r for r in records if r.met is not None])),
+        f"**Runs**: {sum(r.wall_s for r in runs):.0f} s of benchmarks.",
+        _table("| benchmark | arguments | wall s | result |\n|---|---|---:|---|", run_rows),
+        f"**All records** ({len(records)}; those without a target only report).",
+        _table(RECORDS_HEAD, rows(records)),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def page_section(records: list[BenchRecord], runs: list[BenchRun], meta: BenchMeta) -> str:
+    """The tables of ``bench.md`` between the page markers, under their provenance."""
+    source = (
+        f"Generated by `{meta.command}` at commit `{meta.commit}`, on a machine with "
+        f"{meta.cpus} CPUs (load average {meta.load_avg:.1f} when it started)."
+    )
+    body = markdown(records, runs).rstrip("\n")
+    return "\n".join([PAGE_BEGIN, "", source, "", body, "", PAGE_END])
+
+
+def splice(page: str, section: str) -> str:
+    """``page`` with its marked block replaced by ``section``; ValueError without the block."""
+    start, end = page.find(PAGE_BEGIN), page.find(PAGE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no block between {PAGE_BEGIN} and {PAGE_END}")
+    return page[:start] + section + page[end + len(PAGE_END) :]
+
+
+def _write_report(out_dir: Path, records, runs, meta: BenchMeta, page: Path | None) -> None:
     """``bench.md``, and with ``page`` the tables in that page."""
-    (out_dir / "bench.md").write_text(markdown(records, runs, meta.breakdown))
+    (out_dir / "bench.md").write_text(markdown(records, runs))
     if page is not None:
         try:
             text = splice(page.read_text(), page_section(records, runs, meta))
@@ -314,50 +361,28 @@ def bench_all(argv: list[str], out_dir: Path) -> int:
         cpus=os.cpu_count() or 1,
         load_avg=round(os.getloadavg()[0], 2),
     )
-
-    def left() -> float:
-        return deadline - time.monotonic()
-
-    breakdown = None
-    if not opts.no_run:
-        print("bench all: default config run ...", flush=True)
-        breakdown = _config_run(out_dir / "run", min(RUN_TIMEOUT_S, left()))
     runs: list[BenchRun] = []
     records: list[BenchRecord] = []
     for name, args in selection.items():
-        timeout = opts.timeout_s or PLANS.get(name, Plan()).timeout_s
-        skip = missing_need(name)
-        if skip is not None:
-            run = BenchRun(name=name, args=args, skipped=skip)
-        elif left() <= 1:
-            run = BenchRun(name=name, args=args, error="not run: the run's budget is spent")
-        else:
-            print(shorten(f"bench all: {name} {shlex.join(args)}", _width()), flush=True)
-            run, got = _bench_one(name, args, out_dir / name, min(timeout, left()))
-            records += got
-        runs.append(run)
+        left = deadline - time.monotonic()
+        run = BenchRun(name=name, args=args, skipped=missing_need(name))
         if run.skipped:
-            print(shorten(f"bench all: {name} {run.skipped}", _width()), flush=True)
-            continue
-        result = run.error or f"records: {run.num_records}"
-        print(shorten(f"  {result} in {run.wall_s:.1f} s", _width()), flush=True)
+            _say(f"bench all: {name} {run.skipped}")
+        elif left <= 1:
+            run.error = "not run: the run's budget is spent"
+        else:
+            _say(f"bench all: {name} {shlex.join(args)}")
+            timeout = min(opts.timeout_s or PLANS.get(name, Plan()).timeout_s, left)
+            run, got = _bench_one(name, args, out_dir / name, timeout)
+            records += got
+            _say(f"  {run.error or f'records: {run.num_records}'} in {run.wall_s:.1f} s")
+        runs.append(run)
     records += [BenchRecord.failed(run.name, run.error) for run in runs if run.error]
     write_records(records, out_dir)
-    (out_dir / "bench_runs.json").write_bytes(
-        msgspec.json.format(msgspec.json.encode(runs), indent=2)
-    )
-    meta.breakdown = breakdown
-    (out_dir / "bench_meta.json").write_bytes(
-        msgspec.json.format(msgspec.json.encode(meta), indent=2)
-    )
+    for name, value in (("bench_runs.json", runs), ("bench_meta.json", meta)):
+        (out_dir / name).write_bytes(msgspec.json.format(msgspec.json.encode(value), indent=2))
     _write_report(out_dir, records, runs, meta, opts.page)
-    from gramcoord.benchmarks._plot import plot
-
-    plot(records, breakdown, out_dir / "bench.png")
-    width = _width()
-    print(console_table(records, width))
-    total = sum(r.wall_s for r in runs) + (breakdown.wall_s if breakdown else 0.0)
-    print(f"wrote {out_dir}/bench.json, bench.md, bench.png; {total:.0f} s in children")
+    print(format_table(records, _width()))
+    print(f"wrote {out_dir}/bench.json, bench.md; {sum(r.wall_s for r in runs):.0f} s in children")
     print(f"bench all: {targets_line(records)}; every record whole in bench.md")
-    failed = any(r.error for r in runs) or (breakdown is not None and breakdown.error)
-    return 1 if failed else 0
+    return 1 if any(r.error for r in runs) else 0

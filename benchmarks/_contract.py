@@ -2,12 +2,12 @@
 
 A benchmark is a module of the ``gramcoord.benchmarks`` package
 (``benchmarks/NAME.py``, or ``benchmarks/NAME_bench.py`` where ``NAME``
-would shadow a package, in a checkout; installed with the package) that
-defines ``run(args: list[str]) -> list[BenchRecord]``. Modules whose name
-starts with ``_``, or that define no ``run``, are helpers.
-``gramcoord bench NAME --out DIR`` imports the module, runs it, prints the
-records as a table and writes ``DIR/bench.json``; ``gramcoord bench all``
-(``benchmarks/_all.py``) runs every one.
+would shadow a package; installed with the package) with a top-level
+``run(args: list[str]) -> list[BenchRecord]``. Modules whose name starts
+with ``_``, or that define no ``run``, are helpers. ``gramcoord bench NAME
+--out DIR`` runs one, prints its records (``format_table``) and writes
+``DIR/bench.json``; ``gramcoord bench all`` (``benchmarks/_all.py``) runs
+every one.
 
 ``ratio`` is the baseline's median time divided by ours, so higher is
 better. ``target`` is the ratio the design asks for (``None`` when the row
@@ -17,13 +17,11 @@ run as its baseline; never compare single timings.
 
 from __future__ import annotations
 
-import ast
 import gc
 import importlib
-import importlib.util
 import json
 import os
-import pkgutil
+import re
 import signal
 import statistics
 import subprocess
@@ -90,12 +88,9 @@ class BenchRecord(msgspec.Struct, kw_only=True):
         target_ms: float | None = None,
     ) -> BenchRecord:
         ratio = base_ms / ours_ms if ours_ms > 0 else float("inf")
-        checks = []
-        if target is not None:
-            checks.append(ratio >= target)
+        checks = [ratio >= target] if target is not None else []
         if target_ms is not None:
             checks.append(ours_ms <= target_ms)
-        met = all(checks) if checks else None
         return cls(
             name=name,
             baseline=baseline,
@@ -104,27 +99,14 @@ class BenchRecord(msgspec.Struct, kw_only=True):
             ratio=round(ratio, 4),
             target=target,
             target_ms=target_ms,
-            met=met,
+            met=all(checks) if checks else None,
             note=note,
         )
 
 
 def median_ms(fn: Callable[[], object], *, repeat: int = 21, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` in milliseconds, with GC paused."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        if enabled:
-            gc.enable()
-    return statistics.median(samples)
+    return round_robin_ms([fn], repeat=repeat, warmup=warmup, pause_gc=True)[0]
 
 
 def round_robin_ms(fns, *, repeat: int, warmup: int = 1, pause_gc: bool = False) -> list[float]:
@@ -156,44 +138,73 @@ def interleaved_ms(fns: dict, repeat: int) -> dict[str, float]:
     contender under the same drift. The order is fixed, so every rank of a
     multi-rank benchmark runs the same sequence and its collectives pair up.
     """
-    rounds = max(3, repeat // 5)
     per: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
+    for _ in range(max(3, repeat // 5)):
         for name, fn in fns.items():
             per[name].append(median_ms(fn, repeat=5, warmup=1))
     return {name: statistics.median(v) for name, v in per.items()}
 
 
-def format_table(records: list[BenchRecord]) -> str:
-    header = ("name", "baseline", "ours ms", "base ms", "ratio", "target", "met", "note")
-    rows = [
-        (f"{r.bench}: ERROR", "-", "-", "-", "-", "-", "NO", r.error)
-        if r.error is not None
-        else (
-            r.name,
-            r.baseline,
-            f"{r.median_ms:.4f}",
-            f"{r.baseline_median_ms:.4f}",
-            f"{r.ratio:.2f}x",
-            " ".join(
-                t
-                for t in (
-                    "" if r.target is None else f">={r.target:g}x",
-                    "" if r.target_ms is None else f"<={r.target_ms:g}ms",
-                )
-                if t
-            )
-            or "-",
-            "-" if r.met is None else ("yes" if r.met else "NO"),
-            r.note,
-        )
-        for r in records
+# -- the table ---------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else (f"{x:.2f}" if x >= 1 else f"{x:.4f}")
+
+
+def target_text(r: BenchRecord) -> str:
+    parts = [] if r.target is None else [f">= {r.target:g}x"]
+    if r.target_ms is not None:
+        parts.append(f"<= {r.target_ms:g} ms")
+    return ", ".join(parts) or "-"
+
+
+def cells(r: BenchRecord, bold: bool = False) -> list[str]:
+    """A record's cells from its baseline on: baseline, ours ms, baseline ms,
+    ratio, target, met, note (``bold``: Markdown's **NO** and **ERROR**)."""
+    star = "**" if bold else ""
+    if r.error is not None:
+        return ["-"] * 5 + [f"{star}ERROR{star}", r.error]
+    met = "-" if r.met is None else ("yes" if r.met else f"{star}NO{star}")
+    ratio = f"{r.ratio:.2f}x"
+    return [
+        r.baseline,
+        _ms(r.median_ms),
+        _ms(r.baseline_median_ms),
+        ratio,
+        target_text(r),
+        met,
+        r.note,
     ]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(header, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` on one line, cut to ``width`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def format_table(records: list[BenchRecord], width: int | None = None) -> str:
+    """The records as a plain table. With ``width`` no line is wider: names and
+    baselines are cut at 36 columns and the note gets what is left (none when
+    fewer than 12 columns are); ``bench.json`` and ``bench.md`` have them whole."""
+    head = ["benchmark: record", "baseline", "ours ms", "base ms", "ratio", "target", "met"]
+    rows = [[*head, "note"]]
+    rows += [[f"{r.bench}: {'ERROR' if r.error else r.name}", *cells(r)] for r in records]
+    cut = 36 if width else 1 << 30
+    rows = [[shorten(row[0], cut), shorten(row[1], cut), *row[2:]] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(7)]
+    room = (width - sum(widths) - 14) if width else 1 << 30
+    rows.insert(1, ["-" * w for w in widths] + [""])
+
+    def line(row: list[str]) -> str:
+        text = "  ".join(c.ljust(w) for c, w in zip(row, widths))
+        if room >= 12:
+            text += "  " + shorten(row[7], room)
+        text = text.rstrip()
+        return text if not width or len(text) <= width else text[: width - 1] + "…"
+
+    return "\n".join(line(row) for row in rows)
 
 
 def write_records(records: list[BenchRecord], out_dir: Path) -> Path:
@@ -201,6 +212,9 @@ def write_records(records: list[BenchRecord], out_dir: Path) -> Path:
     path = out_dir / "bench.json"
     path.write_bytes(msgspec.json.format(msgspec.json.encode(records), indent=2))
     return path
+
+
+# -- data ----------------------------------------------------------------------------
 
 
 def installed_data_dir() -> Path | None:
@@ -228,10 +242,7 @@ def package_dir(package: str, holding: str) -> Path | None:
         pkg = importlib.import_module(package)
     except ModuleNotFoundError:
         return None
-    for entry in pkg.__path__:
-        if (Path(entry) / holding).is_file():
-            return Path(entry)
-    return None
+    return next((Path(e) for e in pkg.__path__ if (Path(e) / holding).is_file()), None)
 
 
 # The shipped workload: installed with the package, or the checkout's configs/.
@@ -258,7 +269,7 @@ def add_data_arg(parser, *, max_label_ms: float | None = None) -> None:
     parser.add_argument(
         "--data",
         type=Path,
-        default=installed_data_dir(),
+        default=installed_data_dir() or dev_data_dir(),
         help="folder of schemas-dev.jsonl (default: $GRAMCOORD_DATA_DIR, ../shared/data, "
         "tests/data; installed without a checkout: the subset installed with the package)",
     )
@@ -271,15 +282,7 @@ def add_data_arg(parser, *, max_label_ms: float | None = None) -> None:
         )
 
 
-def _defines_run(origin: str | None) -> bool:
-    """Whether a module's source defines a top-level ``run``, read without importing it."""
-    if origin is None or not origin.endswith(".py"):
-        return False
-    tree = ast.parse(Path(origin).read_text(encoding="utf-8"), filename=origin)
-    return any(
-        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "run"
-        for node in tree.body
-    )
+# -- discovery ---------------------------------------------------------------------
 
 
 def _modules(package: str) -> dict[str, str]:
@@ -290,14 +293,11 @@ def _modules(package: str) -> dict[str, str]:
     on ``sys.path``). Found by reading the sources, so listing them imports
     no benchmark (and none of torch or xgrammar).
     """
-    pkg = importlib.import_module(package)
     out = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_") or info.ispkg:
-            continue
-        spec = importlib.util.find_spec(f"{package}.{info.name}")
-        if _defines_run(spec.origin if spec else None):
-            out[info.name.removesuffix("_bench")] = info.name
+    for folder in importlib.import_module(package).__path__:
+        for path in Path(folder).glob("[!_]*.py"):
+            if re.search(r"^def run\(", path.read_text(encoding="utf-8"), re.M):
+                out[path.stem.removesuffix("_bench")] = path.stem
     return dict(sorted(out.items()))
 
 
@@ -312,6 +312,21 @@ def load(name: str, package: str = PACKAGE) -> ModuleType:
     if name not in modules:
         raise SystemExit(f"unknown benchmark {name!r}; available: {', '.join(modules)}, all")
     return importlib.import_module(f"{package}.{modules[name]}")
+
+
+def run_bench(
+    name: str, args: list[str], out_dir: Path, *, package: str = PACKAGE
+) -> list[BenchRecord]:
+    """Run benchmark ``name`` with ``args``, print its records and write ``bench.json``."""
+    records = load(name, package).run(args)
+    for r in records:
+        r.bench = r.bench or name
+    print(format_table(records))
+    print(f"wrote {write_records(records, out_dir)}")
+    return records
+
+
+# -- child processes -----------------------------------------------------------------
 
 
 def _group_alive(pgid: int) -> bool:
@@ -355,16 +370,3 @@ def end_group(proc: subprocess.Popen, grace_s: float = 5.0) -> bool:
             time.sleep(0.05)
     proc.wait()
     return not _group_alive(proc.pid)
-
-
-def run_bench(
-    name: str, args: list[str], out_dir: Path, *, package: str = PACKAGE
-) -> list[BenchRecord]:
-    """Run benchmark ``name`` with ``args``, print its records and write ``bench.json``."""
-    records = load(name, package).run(args)
-    for r in records:
-        r.bench = r.bench or name
-    print(format_table(records))
-    written = write_records(records, out_dir)
-    print(f"wrote {written}")
-    return records

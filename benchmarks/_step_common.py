@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-import torch
-import torch.distributed as dist
 import xgrammar as xgr
 
 from gramcoord.engine.acceptance import finish_reason
@@ -195,20 +193,13 @@ class RunClock:
     ``timed`` gives the synthetic model and the greedy sampler, wrapped;
     xgrammar's ``apply_token_bitmask_inplace`` is timed through
     ``KERNEL_HOOK``, which every way reaches through the module attribute.
-
-    With ``tp_group``, the forward ends with a 1-element ``all_reduce`` on
-    the rank's TP group, as a tensor-parallel forward ends in a collective
-    (the synthetic model has none, so TP ranks could drift apart inside a
-    step and the first collective after it would absorb the skew).
     """
 
-    def __init__(self, *, record_batches: bool, tp_group=None) -> None:
+    def __init__(self, *, record_batches: bool) -> None:
         self.calls: list[tuple[float, float, int]] = []
         self.batches: list[list[tuple[str, int]]] = []
         self.logits_work: list[tuple[float, float]] = []
         self._record = record_batches
-        self._tp_group = tp_group
-        self._one = torch.zeros(1, dtype=torch.int64)
         KERNEL_HOOK.sink = self.logits_work
 
     def timed(self, tokenizer: Tokenizer) -> tuple[_TimedModel, _TimedSampler]:
@@ -241,8 +232,6 @@ class _TimedModel:
         clock = self.clock
         t0 = time.perf_counter()
         out = self.model.logits(rows)
-        if clock._tp_group is not None:
-            dist.all_reduce(clock._one, group=clock._tp_group)
         clock.calls.append((t0, time.perf_counter(), len(rows)))
         if clock._record:
             clock.batches.append([(req.request_id, len(ids)) for req, ids in rows])

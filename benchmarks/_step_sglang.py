@@ -178,13 +178,12 @@ def run_sglang(
     tp: int,
     tp_groups: Sequence,
     max_num_seqs: int,
-    sync_forward: bool = False,
 ) -> RankRun:
     """This rank's scheduler loop until its replica has finished every request."""
     replica, tp_rank = divmod(rank, tp)
     group, src = tp_groups[replica], replica * tp
     sched = _Scheduler(tokenizer, group, tp, max_num_seqs)
-    clock = RunClock(record_batches=tp_rank == 0, tp_group=group if sync_forward else None)
+    clock = RunClock(record_batches=tp_rank == 0)
     model, sampler = clock.timed(tokenizer)
     inbox = replica_share(requests, dp=dp, replica=replica) if tp_rank == 0 else []
     try:

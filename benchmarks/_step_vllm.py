@@ -206,13 +206,12 @@ def run_vllm(
     tp_groups: Sequence,
     max_num_seqs: int,
     timeout_s: float,
-    sync_forward: bool = False,
     run_id: str = "",
 ) -> RankRun:
     """This rank's engine-core or worker loop until its replica is done."""
     replica, tp_rank = divmod(rank, tp)
     group, src = tp_groups[replica], replica * tp
-    clock = RunClock(record_batches=tp_rank == 0, tp_group=group if sync_forward else None)
+    clock = RunClock(record_batches=tp_rank == 0)
     model, sampler = clock.timed(tokenizer)
     worker = _Worker(model)
     # Set-up, not the hot path: the queue's handle goes to the peers pickled.

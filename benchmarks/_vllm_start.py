@@ -23,13 +23,12 @@ the median of each, ratio = xgrammar / gramcoord (target: within 10%,
 ratio >= 1/1.1), and every pair's ratio in the note, which a shared
 machine's load drift shows up in.
 
-``python -m gramcoord.benchmarks._vllm_start llm --model DIR --backend B
---out FILE`` is the offline child.
+``python -m gramcoord.benchmarks._vllm_start MODEL BACKEND OUT`` is the
+offline child.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -68,8 +67,7 @@ def _llm_start(model: Path, backend: str, work: Path, timeout_s: float) -> float
     from gramcoord.benchmarks._vllm_serve import ServerProcess
 
     out = work / f"start-llm-{backend}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "gramcoord.benchmarks._vllm_start", "llm"]
-    cmd += ["--model", str(model), "--backend", backend, "--out", str(out)]
+    cmd = [sys.executable, "-m", "gramcoord.benchmarks._vllm_start", str(model), backend, str(out)]
     env = child_env(backend, work / "vllm-cache")
     child = ServerProcess(cmd, "", out.with_suffix(".log"), env=env)
     try:
@@ -88,10 +86,8 @@ def _server_start(model: Path, backend: str, work: Path, timeout_s: float) -> fl
 
     port = free_port()
     log = work / f"start-server-{backend}-{time.monotonic_ns()}.log"
-    proc = ServerProcess(
-        serve_args(model, port, backend), f"http://127.0.0.1:{port}", log,
-        env=child_env(backend, work / "vllm-cache"),
-    )  # fmt: skip
+    env = child_env(backend, work / "vllm-cache")
+    proc = ServerProcess(serve_args(model, port, backend), f"http://127.0.0.1:{port}", log, env=env)
     try:
         return proc.wait_healthy(timeout_s)
     except RuntimeError as exc:
@@ -102,20 +98,15 @@ def _server_start(model: Path, backend: str, work: Path, timeout_s: float) -> fl
 
 def measure(model: Path, work: Path, rounds: int, timeout_s: float) -> dict[str, Any]:
     """Every start, in ABBA order: ``{"llm": {backend: [s, ...]}, "server": {...}}``."""
-    got: dict[str, dict[str, list[float]]] = {
-        kind: {b: [] for b in BACKENDS} for kind in ("llm", "server")
-    }
-    for backend in BACKENDS:  # untimed warm-up (module docstring)
-        _llm_start(model, backend, work, timeout_s)
-    for backend in order(rounds):
-        got["llm"][backend].append(_llm_start(model, backend, work, timeout_s))
-        print(f"bench vllm start: LLM(...) {backend} {got['llm'][backend][-1]:.1f} s", flush=True)
-    for backend in BACKENDS:
-        _server_start(model, backend, work, timeout_s)
-    for backend in order(rounds):
-        got["server"][backend].append(_server_start(model, backend, work, timeout_s))
-        print(f"bench vllm start: server {backend} {got['server'][backend][-1]:.1f} s", flush=True)
-    return {"rounds": rounds, **got}
+    got: dict[str, Any] = {"rounds": rounds}
+    for kind, start in (("llm", _llm_start), ("server", _server_start)):
+        got[kind] = {b: [] for b in BACKENDS}
+        for backend in BACKENDS:  # untimed warm-up (module docstring)
+            start(model, backend, work, timeout_s)
+        for backend in order(rounds):
+            got[kind][backend].append(start(model, backend, work, timeout_s))
+            print(f"bench vllm start: {kind} {backend} {got[kind][backend][-1]:.1f} s", flush=True)
+    return got
 
 
 def start_records(got: dict[str, Any]) -> list[BenchRecord]:
@@ -145,29 +136,21 @@ def start_records(got: dict[str, Any]) -> list[BenchRecord]:
     return out
 
 
-def _llm_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m gramcoord.benchmarks._vllm_start llm")
-    p.add_argument("--model", required=True)
-    p.add_argument("--backend", required=True, choices=BACKENDS)
-    p.add_argument("--out", type=Path, required=True)
-    opts = p.parse_args(argv)
+def _llm_main(model: str, backend: str, out: str) -> None:
     t0 = time.perf_counter()  # both pay for importing vLLM; gramcoord for its plugin too
     from gramcoord.benchmarks._vllm_common import ENGINE_KW
 
-    if opts.backend == "gramcoord":
+    if backend == "gramcoord":
         from gramcoord.integrations.vllm.plugin import register
 
         register()
     from vllm import LLM
 
-    llm = LLM(opts.model, structured_outputs_config={"backend": opts.backend}, **ENGINE_KW)
+    llm = LLM(model, structured_outputs_config={"backend": backend}, **ENGINE_KW)
     took = time.perf_counter() - t0
-    opts.out.write_text(json.dumps({"backend": opts.backend, "llm_s": took}))
+    Path(out).write_text(json.dumps({"backend": backend, "llm_s": took}))
     del llm
-    return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["llm"]:
-        raise SystemExit("usage: python -m gramcoord.benchmarks._vllm_start llm ...")
-    sys.exit(_llm_main(sys.argv[2:]))
+    _llm_main(*sys.argv[1:])

@@ -40,19 +40,270 @@ How it is measured, the same way for ours and the baseline:
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
+import itertools
+import os
 
-from gramcoord.benchmarks._contract import BenchRecord
+from gramcoord.benchmarks._agreement_sglang import (
+    StaticMember,
+    local_status,
+    sglang_step,
+    shared_status,
+)
+from gramcoord.benchmarks._contract import BenchRecord, interleaved_ms
 from gramcoord.launch.ports import free_port
 from gramcoord.launch.procs import run_procs
 
 CHILD_TIMEOUT_S = 600
 
 
+# -- every rank (``child``) ------------------------------------------------------
+
+
+def _steps(coord, member, runtime):
+    """One coordinator step per call, its asynchronous chain send drained."""
+    counter = itertools.count(1)
+
+    def one():
+        result = coord.step(next(counter), member)
+        runtime.drain()
+        return result
+
+    return one
+
+
+def _decided(result) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ready and failed sequence numbers of one of our steps (a ``StepResult``)."""
+    decision = result.decision
+    return tuple(sorted(decision.ready)), tuple(sorted(s for s, _ in decision.failed))
+
+
+def _measure(rank: int, where: str, fns: dict, decisions, repeat: int) -> dict[str, float]:
+    """``interleaved_ms(fns)``; before and after it, ``decisions()`` (one call of
+    every contender) must give every contender the same decision on this rank."""
+
+    def check(when: str) -> None:
+        got = decisions()
+        if len(set(got.values())) != 1:
+            sizes = {k: (len(r), len(f)) for k, (r, f) in got.items()}
+            raise RuntimeError(
+                f"rank {rank}, {where}, {when} timing: contenders decided differently "
+                f"((ready, failed) counts {sizes})"
+            )
+
+    check("before")
+    times = interleaved_ms(fns, repeat)
+    check("after")
+    return times
+
+
+def _layout_rows(rank, args, dp, pp):
+    """Our step (gather, and reduce when pp=1) vs the SGLang-style step, dp x pp replicated."""
+    import torch.distributed as dist
+
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.coordinator import Coordinator
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.runtime import Runtime
+
+    layout = ParallelLayout(dp=dp, pp=pp, tp=1, requests="replicated")
+    timeout = datetime.timedelta(seconds=60)
+    name = f"agreement_dp{dp}_pp{pp}"
+    rows = []
+    with Runtime.attach(layout, distributed=DistributedConfig(step_timeout_s=60)) as runtime:
+        # Baseline groups: the same members, their own gloo groups.
+        leaders = list(layout.dp_leaders())
+        base_group = dist.new_group(leaders, backend="gloo", timeout=timeout)
+        chains = [
+            dist.new_group(list(c), backend="gloo", timeout=timeout) for c in layout.pp_chains()
+        ]
+        c = layout.coords(rank)
+        peer = layout.chain_next(rank) if c.pp == 0 else layout.chain_prev(rank)
+        base = functools.partial(
+            sglang_step,
+            group=base_group if rank in leaders and dp > 1 else None,
+            chain_group=chains[c.dp] if pp > 1 else None,
+            chain_peer=peer,
+            is_sender=c.pp == 0,
+            world=dp,
+        )
+        for pending in args.pending:
+            status = local_status(pending, c.dp, dp)
+            member = StaticMember(status)
+            fns = {
+                op: _steps(
+                    Coordinator(layout, runtime, window=pending, agreement_op=op, clock=lambda: 1),
+                    member,
+                    runtime,
+                )
+                for op in (("all_gather", "all_reduce") if pp == 1 else ("all_gather",))
+            }
+            fns["base"] = functools.partial(base, status)
+
+            def decisions(fns=fns, seqs=status.seqs):
+                got = {op: _decided(fn()) for op, fn in fns.items() if op != "base"}
+                ready, failed = fns["base"]()
+                got["base"] = (
+                    tuple(sorted(seqs[i] for i in ready)),
+                    tuple(sorted(seqs[i] for i in failed)),
+                )
+                return got
+
+            times = _measure(rank, f"{name}, {pending} pending", fns, decisions, args.repeat)
+            rows.append(
+                dict(name=name, ours=times["all_gather"], base=times["base"], pending=pending)
+            )
+            if "all_reduce" in times:
+                rows.append(
+                    dict(
+                        name=f"agreement_reduce_dp{dp}_pp{pp}",
+                        ours=times["all_reduce"],
+                        base=times["base"],
+                        gather=times["all_gather"],
+                        pending=pending,
+                    )
+                )
+        dist.barrier()
+        for g in [*chains, base_group]:
+            dist.destroy_process_group(g)
+    return rows
+
+
+def _hop_rows(rank, args):
+    """pp=2: decision hop + ack vs 1-element ping + ack, over the same gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.pipeline import Chain
+    from gramcoord.coordinator.runtime import Runtime
+    from gramcoord.coordinator.status import Decision
+
+    layout = ParallelLayout(dp=1, pp=2, tp=1)
+    rows = []
+    with Runtime.attach(layout, distributed=DistributedConfig(step_timeout_s=60)) as runtime:
+        pg = runtime.process_group("pp_chain")
+        ack, ping = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        for pending in args.pending:
+            prev, nxt = layout.chain_prev(rank), layout.chain_next(rank)
+            chain = Chain(runtime, rank=rank, prev=prev, next=nxt, window=pending)
+            half = pending // 2
+            sent = (tuple(range(half)), tuple((i, 21) for i in range(half, pending)))
+            counter = itertools.count(1)
+            if rank == 0:
+
+                def hop(counter=counter, chain=chain, sent=sent):
+                    chain.send(Decision(step=next(counter), ready=sent[0], failed=sent[1]))
+                    dist.recv(ack, src=1, group=pg, tag=99)
+                    runtime.drain()
+
+                def ping_fn():
+                    dist.send(ping, dst=1, group=pg, tag=98)
+                    dist.recv(ack, src=1, group=pg, tag=99)
+
+            else:
+
+                def hop(counter=counter, chain=chain):
+                    got, _ = chain.receive(next(counter))
+                    dist.send(ack, dst=0, group=pg, tag=99)
+                    return got
+
+                def ping_fn():
+                    dist.recv(ping, src=0, group=pg, tag=98)
+                    dist.send(ack, dst=0, group=pg, tag=99)
+
+            def decisions(hop=hop, sent=sent):
+                # Stage 1 must receive what stage 0 sent.
+                got = hop()
+                return {"sent": sent, "received": sent if rank == 0 else (got.ready, got.failed)}
+
+            fns = {"hop": hop, "ping": ping_fn}
+            times = _measure(rank, f"pp_hop, {pending} pending", fns, decisions, args.repeat)
+            rows.append(dict(name="pp_hop", ours=times["hop"], base=times["ping"], pending=pending))
+    return rows
+
+
+def _acked(rank, last, step_fn, ack, pg):
+    """``step_fn``, closed by the last stage's 1-element ack to stage 0."""
+    import torch.distributed as dist
+
+    def one():
+        result = step_fn()
+        if rank == last:
+            dist.send(ack, dst=0, group=pg, tag=97)
+        elif rank == 0:
+            dist.recv(ack, src=last, group=pg, tag=97)
+        return result
+
+    return one
+
+
+def _pp_sync_rows(rank, world, args):
+    """dp=1 pp=world: chain vs collective pp_sync, each step closed by the last stage's ack."""
+    import torch
+
+    from gramcoord.coordinator.config import DistributedConfig
+    from gramcoord.coordinator.coordinator import Coordinator
+    from gramcoord.coordinator.layout import ParallelLayout
+    from gramcoord.coordinator.runtime import Runtime
+
+    runtimes = {}
+    for mode in ("chain", "collective"):
+        layout = ParallelLayout(dp=1, pp=world, tp=1, pp_sync=mode)
+        cfg = DistributedConfig(step_timeout_s=60)
+        runtimes[mode] = (layout, Runtime.attach(layout, distributed=cfg))
+    ack = torch.zeros(1, dtype=torch.int64)
+    last = world - 1
+    rows = []
+    for pending in args.pending:
+        member = StaticMember(shared_status(pending))
+        fns = {}
+        for mode, (layout, runtime) in runtimes.items():
+            coord = Coordinator(layout, runtime, window=pending, clock=lambda: 1)
+            step, pg = _steps(coord, member, runtime), runtime.process_group("world")
+            fns[mode] = _acked(rank, last, step, ack, pg)
+        name = f"pp_sync_chain_pp{world}"
+
+        def decisions(fns=fns):
+            return {mode: _decided(fn()) for mode, fn in fns.items()}
+
+        times = _measure(rank, f"{name}, {pending} pending", fns, decisions, args.repeat)
+        for _, runtime in runtimes.values():
+            runtime.drain()
+        rows.append(dict(name=name, ours=times["chain"], base=times["collective"], pending=pending))
+    for _, runtime in runtimes.values():
+        runtime.close()
+    return rows
+
+
+def child(rank: int, world: int, args) -> list[dict]:
+    """One rank of the gloo world (``run_procs`` target); every rank returns its rows."""
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if world == 2:
+        rows = _layout_rows(rank, args, dp=2, pp=1) + _hop_rows(rank, args)
+    else:
+        rows = _layout_rows(rank, args, dp=world, pp=1) + _layout_rows(
+            rank, args, dp=world // 2, pp=2
+        )
+    rows += _pp_sync_rows(rank, world, args)
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+# -- the parent: spawn the ranks, merge their rows -------------------------------
+
+
 def _launch(world: int, args) -> list[dict]:
     # Spawned children import their module by its package name.
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     results = run_procs(
-        "gramcoord.benchmarks._agreement_ranks:child",
+        "gramcoord.benchmarks.agreement:child",
         world,
         args=(args,),
         timeout=CHILD_TIMEOUT_S,

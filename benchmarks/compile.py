@@ -26,10 +26,16 @@ Rows (real Qwen2.5 vocabulary):
   alternated. Reported only; it is why the cache is on.
 - ``thread_compile`` vs ``subprocess_compile``: a dev schema compiled in a
   worker thread against the same compile in a persistent worker process
-  (``_compile_worker.CompileWorker``: spec in over a pipe,
-  ``serialize_json`` back, ``deserialize_json`` here), both with the
-  settings of the manager's compilers; the worker's start-up is in the
-  note, not in the medians.
+  (``CompileWorker``: the spec text in, length-prefixed, on its stdin; a
+  status byte, a length and ``CompiledGrammar.serialize_json()`` or the
+  error back on its stdout, ``deserialize_json`` here; nothing pickled;
+  this file is also the worker's program), both with the settings of the
+  manager's compilers; the worker's start-up is in the note, not in the
+  medians.
+
+vLLM's per-request path (``VllmRefail``) is read from vLLM's
+``structured_output/backend_xgrammar.py`` and ``utils.py`` and
+re-implemented here, not copied.
 
 Usage: ``gramcoord bench compile [--out DIR] [-- --repeat R --n N]``.
 With the defaults it takes about 30 s on an idle 2-core machine.
@@ -41,16 +47,20 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import statistics
+import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import xgrammar as xgr
 
-from gramcoord.benchmarks._compile_worker import OUR_COMPILER, CompileWorker
 from gramcoord.benchmarks._contract import (
     BenchRecord,
     add_data_arg,
@@ -58,11 +68,9 @@ from gramcoord.benchmarks._contract import (
     median_ms,
     round_robin_ms,
 )
-from gramcoord.benchmarks._vllm_path import VLLM_COMPILER, VllmRefail
-from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
-from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 
 _counter = itertools.count()
 BAD_EBNF = {"grammar": "root ::= missing_rule"}
@@ -91,6 +99,226 @@ def _schema(tag: str) -> dict:
             "required": [f"id_{tag}", "name", "role"],
         }
     }
+
+
+# -- the baselines ---------------------------------------------------------------
+
+# vLLM's XgrammarBackend compiler.
+VLLM_COMPILER = dict(max_threads=8, cache_enabled=True, cache_limit_bytes=512 << 20)
+
+# String formats xgrammar's JSON-schema converter implements; vLLM rejects
+# any other ``format`` on a string up front.
+_XGR_FORMATS = frozenset(
+    [
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    ]
+)
+_ARRAY_UNSUPPORTED = frozenset({"uniqueItems", "contains", "minContains", "maxContains"})
+
+
+def _types(node: dict) -> set[str]:
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+
+
+def _length_and_pattern(node: Any) -> bool:
+    return (
+        isinstance(node, dict)
+        and ("pattern" in node or "format" in node)
+        and ("minLength" in node or "maxLength" in node)
+    )
+
+
+def xgrammar_unsupported(schema: Any) -> bool:
+    """vLLM's pre-check for schema features xgrammar cannot honour
+    (``has_xgrammar_unsupported_json_features``), re-implemented: every
+    object of the tree is visited, lists descended one level as vLLM does."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        types = _types(node)
+        if types & {"integer", "number"} and "multipleOf" in node:
+            return True
+        if "array" in types and node.keys() & _ARRAY_UNSUPPORTED:
+            return True
+        if "string" in types and "format" in node and node["format"] not in _XGR_FORMATS:
+            return True
+        if "string" in types and _length_and_pattern(node):
+            return True
+        if "object" in types:
+            names = node.get("propertyNames")
+            if _length_and_pattern(names):
+                return True
+            if "propertyNames" in node and (
+                "properties" in node
+                or "patternProperties" in node
+                or isinstance(node.get("additionalProperties"), dict)
+                or node.get("unevaluatedProperties", True) is not True
+            ):
+                return True
+            pattern_props = node.get("patternProperties")
+            if isinstance(pattern_props, dict) and ("properties" in node or len(pattern_props) > 1):
+                return True
+        for value in node.values():
+            if isinstance(value, dict):
+                stack.append(value)
+            elif isinstance(value, list):
+                stack.extend(v for v in value if isinstance(v, dict))
+    return False
+
+
+def likely_lark(text: str) -> bool:
+    # vLLM's grammar_is_likely_lark: EBNF once any line, comments cut, has "::=".
+    for line in text.split("\n"):
+        line = line.split("#", 1)[0].split("//", 1)[0]
+        if "::=" in line:
+            return False
+    return True
+
+
+class VllmRefail:
+    """vLLM's per-request path for a structured-output spec: the frontend
+    validates every request (``validate_xgrammar_grammar``) and rejects it
+    there (a JSON schema: the unsupported-feature walk, then
+    ``Grammar.from_json_schema``; a grammar: ``Grammar.from_ebnf`` or
+    ``from_lark``). Only a spec that passes reaches the engine's compiler
+    (``VLLM_COMPILER``: ``max_threads=8``, cache on, ``VLLM_XGRAMMAR_CACHE_MB``
+    = 512 MiB). Nothing remembers a failure, so a repeat is validated again
+    from scratch and fails the same way."""
+
+    def __init__(self, tokenizer) -> None:
+        self.compiler = xgr.GrammarCompiler(tokenizer.info, **VLLM_COMPILER)
+
+    def __call__(self, spec: dict) -> str:
+        """Where ``spec`` fails: ``"validation"`` or ``"compile"``; ``""``
+        when vLLM would accept it."""
+        try:
+            if "json" in spec:
+                schema = spec["json"]
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if xgrammar_unsupported(schema):
+                    return "validation"
+                xgr.Grammar.from_json_schema(schema)
+            elif likely_lark(spec["grammar"]):
+                xgr.Grammar.from_lark(spec["grammar"])
+            else:
+                xgr.Grammar.from_ebnf(spec["grammar"])
+        except Exception:
+            return "validation"
+        try:
+            if "json" in spec:
+                text = spec["json"] if isinstance(spec["json"], str) else json.dumps(spec["json"])
+                self.compiler.compile_json_schema(text)
+            else:
+                self.compiler.compile_grammar(spec["grammar"])
+        except Exception:
+            return "compile"
+        return ""
+
+
+# The manager's compilers (compile_service.XGrammarBackend).
+OUR_COMPILER = dict(max_threads=1, cache_enabled=True, cache_limit_bytes=256 << 20)
+WORKER_FLAG = "--compile-worker"
+_RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+def worker_main() -> None:
+    """The compile process: frames on the original stdout, anything native
+    code prints goes to stderr."""
+    frames = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    tokenizer = load_tokenizer()
+    compiler = xgr.GrammarCompiler(tokenizer.info, **OUR_COMPILER)
+    specs = sys.stdin.buffer
+    frames.write(b"R")
+    frames.flush()
+    while len(head := specs.read(4)) == 4:
+        text = specs.read(struct.unpack("<I", head)[0]).decode("utf-8")
+        try:
+            status, blob = 0, compiler.compile_json_schema(text).serialize_json().encode()
+        except Exception as exc:
+            status, blob = 1, str(exc).encode()
+        frames.write(struct.pack("<BQ", status, len(blob)))
+        frames.write(blob)
+        frames.flush()
+
+
+class CompileWorker:
+    """A persistent compile process: spec text in, ``serialize_json`` out,
+    length-prefixed over its stdin and stdout (nothing pickled)."""
+
+    def __init__(self) -> None:
+        # The worker's stderr, read back only to explain a worker that died.
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        t0 = time.perf_counter()
+        # Run this file as __main__ in isolated mode (-I): the folder of the
+        # file is not put on sys.path, where its modules could shadow others.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", _RUN_FILE, str(Path(__file__).resolve()), WORKER_FLAG],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+        )
+        try:
+            self._read(1)
+        except BaseException:
+            self.close()
+            raise
+        self.start_ms = (time.perf_counter() - t0) * 1e3
+        self.last_bytes = 0
+
+    def _read(self, n: int) -> bytes:
+        data = self.proc.stdout.read(n)
+        if len(data) < n:
+            self._err.seek(0)
+            tail = self._err.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"compile worker exited ({self.proc.poll()}): {tail}")
+        return data
+
+    def compile(self, text: str, tokenizer: Tokenizer) -> xgr.CompiledGrammar:
+        data = text.encode("utf-8")
+        self.proc.stdin.write(struct.pack("<I", len(data)) + data)
+        self.proc.stdin.flush()
+        status, size = struct.unpack("<BQ", self._read(9))
+        blob = self._read(size).decode("utf-8")
+        if status:
+            raise RuntimeError(blob)
+        self.last_bytes = size
+        return xgr.CompiledGrammar.deserialize_json(blob, tokenizer.info)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            # It exits on end of input; a loaded machine may take a while to
+            # let it (interpreter teardown), so the kill is a late backstop.
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.proc.stdout.close()
+            self._err.close()
+
+
+# -- the rows ----------------------------------------------------------------------
 
 
 def _admit(manager: GrammarManager, spec: dict) -> None:
@@ -346,8 +574,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     p.add_argument("--ship-repeat", type=int, default=1, help="repeats per ship-row schema")
     add_data_arg(p)
     opts = p.parse_args(args)
-    data = opts.data or dev_data_dir()
-    tok = load_tokenizer()
+    data, tok = opts.data, load_tokenizer()
     cfg = GrammarConfig(num_compile_workers=2)
     manager = GrammarManager(cfg, tok)
     t0 = time.perf_counter()
@@ -384,3 +611,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     records.append(_cold_cache_row(tok, data, opts.schemas))
     lap("cold_compile_xgr_cache")
     return records
+
+
+if __name__ == "__main__" and sys.argv[-1] == WORKER_FLAG:
+    worker_main()

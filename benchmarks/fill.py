@@ -37,7 +37,6 @@ import xgrammar as xgr
 
 from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, round_robin_ms
 from gramcoord.benchmarks.jump_forward import dev_records, usable_instances
-from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 from gramcoord.rank_worker.masks.bitmask import BitmaskBuilder, default_fill_threads
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
@@ -54,7 +53,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-schemas", type=int, default=120, help="schemas compiled at most")
     p.add_argument("--threads", type=int, default=0, help="fill threads (0: builder default)")
     args = p.parse_args(argv)
-    args.data = args.data or dev_data_dir()
     return args
 
 
@@ -71,8 +69,7 @@ def _batch(tokenizer, usable, n: int, rng: random.Random) -> list[GrammarState]:
 
 class PoolFill:
     """The alternative the builder did not keep: chunks of ``CHUNK`` matchers on a
-    thread pool, pulled by ``threads - 1`` workers and the caller (also
-    ``gramcoord bench step``'s ``pool`` strategy)."""
+    thread pool, pulled by ``threads - 1`` workers and the caller."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads

@@ -47,7 +47,6 @@ from gramcoord.engine.models import (
     SyntheticModel,
     build_tiny_qwen2,
 )
-from gramcoord.launch.workload import dev_data_dir
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
@@ -84,7 +83,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=1024, help="output limit, synthetic model")
     p.add_argument("--hf-max-tokens", type=int, default=128, help="output limit, hf model")
     args = p.parse_args(argv)
-    args.data = args.data or dev_data_dir()
     return args
 
 

@@ -3,12 +3,8 @@
 ``gramcoord bench request_path [ours|vllm|sglang ...]`` traces the Python
 calls made while one structured request goes from submission to release,
 in a process that has already served one request (so one-time set-up is
-not counted), and reports:
-
-- ``files``: gramcoord source files whose functions ran (module bodies, i.e.
-  imports, excluded), on every thread;
-- ``crossings``: distinct caller -> callee file pairs whose top-level
-  folders differ (``coordinator/``, ``rank_worker/``, ``integrations/``, ...).
+not counted), and counts the gramcoord source files whose functions ran
+(module bodies, i.e. imports, excluded), on every thread.
 
 Hosts:
 
@@ -47,64 +43,44 @@ _SCHEMA = {
 }
 
 
-def _roots() -> dict[str, str]:
-    """Top-level folder name -> its directory, for every gramcoord subpackage."""
-    import importlib
-
-    out = {}
-    for name in FOLDERS:
-        try:
-            mod = importlib.import_module(f"gramcoord.{name}")
-        except ImportError:
-            continue
-        for path in getattr(mod, "__path__", ()):
-            out[name] = str(Path(path).resolve())
-    return out
-
-
 class Tracer:
-    """Records gramcoord files entered (and cross-folder call edges) while on."""
+    """Records the gramcoord files whose functions are entered, on every thread, while on."""
 
     def __init__(self) -> None:
-        self._roots = sorted(_roots().items(), key=lambda kv: -len(kv[1]))
-        self._folder_of: dict[str, str | None] = {}
+        import importlib
+
+        roots = []
+        for name in FOLDERS:
+            try:
+                paths = importlib.import_module(f"gramcoord.{name}").__path__
+            except ImportError:
+                continue
+            roots += [(name, str(Path(p).resolve())) for p in paths]
+        self._roots = sorted(roots, key=lambda kv: -len(kv[1]))
+        self._seen: dict[str, str | None] = {}
         self.on = False
         self.files: set[str] = set()
-        self.edges: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
 
-    def _folder(self, filename: str) -> str | None:
-        got = self._folder_of.get(filename, "?")
-        if got == "?":
-            got = None
+    def _file(self, filename: str) -> str | None:
+        """``folder/path.py`` of a gramcoord source file, else None."""
+        if filename not in self._seen:
             real = os.path.realpath(filename)
-            for name, root in self._roots:
-                if real.startswith(root + os.sep):
-                    got = f"{name}/{os.path.relpath(real, root)}"
-                    break
-            self._folder_of[filename] = got
-        return got
+            self._seen[filename] = next(
+                (
+                    f"{name}/{os.path.relpath(real, root)}"
+                    for name, root in self._roots
+                    if real.startswith(root + os.sep)
+                ),
+                None,
+            )
+        return self._seen[filename]
 
     def __call__(self, frame, event, arg) -> None:
-        if not self.on or event != "call":
-            return
         code = frame.f_code
-        if code.co_name == "<module>":
-            return
-        callee = self._folder(code.co_filename)
-        if callee is None or callee.startswith("benchmarks/request_path"):
-            return
-        caller = None
-        back = frame.f_back
-        while back is not None:
-            caller = self._folder(back.f_code.co_filename)
-            if caller is not None:
-                break
-            back = back.f_back
-        with self._lock:
-            self.files.add(callee)
-            if caller is not None and caller.split("/")[0] != callee.split("/")[0]:
-                self.edges.add((caller, callee))
+        if self.on and event == "call" and code.co_name != "<module>":
+            got = self._file(code.co_filename)
+            if got is not None and not got.startswith("benchmarks/request_path"):
+                self.files.add(got)  # set.add is atomic under the GIL
 
     def install(self) -> None:
         sys.setprofile(self)
@@ -227,26 +203,18 @@ def run(args: list[str]) -> list[BenchRecord]:
     for host in a.hosts or ["ours"]:
         if host not in HOSTS:
             p.error(f"unknown host {host!r}; choose from {', '.join(HOSTS)}")
-        t = trace(host)
-        folders = sorted({f.split("/")[0] for f in t.files})
+        files = trace(host).files
         if a.list:
-            print(f"{host}: {len(t.files)} files, {len(t.edges)} folder crossings")
-            for f in sorted(t.files):
-                print("   ", f)
-            for a_, b_ in sorted(t.edges):
-                print("    cross:", a_, "->", b_)
-        target = TARGETS[host]
-        n = len(t.files)
+            print(f"{host}: {len(files)} files", *sorted(files), sep="\n    ")
+        folders = sorted({f.split("/")[0] for f in files})
         records.append(
-            BenchRecord(
-                name=f"request_path_{host}",
-                baseline="target_files",
-                median_ms=float(n),
-                baseline_median_ms=float(target),
-                ratio=round(target / n, 3) if n else 0.0,
+            BenchRecord.compare(
+                f"request_path_{host}",
+                "target_files",
+                float(len(files)),
+                float(TARGETS[host]),
                 target=1.0,
-                met=n <= target,
-                note=f"{n} files in {folders}; {len(t.edges)} folder crossings (counts, not ms)",
+                note=f"{len(files)} files in {folders} (counts, not ms)",
             )
         )
     return records

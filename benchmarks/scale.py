@@ -27,7 +27,8 @@ padded pickle) for the object path (its size all_gather, then the bytes).
 
 ``--hosts H`` (root) spreads each world over H simulated hosts
 (``gramcoord.benchmarks.simulated_hosts``: network namespaces, veth pairs, a bridge;
-``--placement block`` or ``round``), gloo over the hosts' addresses, and adds
+``--placement block`` or ``round``; each rank spawned through
+``simulated_hosts.on_host``), gloo over the hosts' addresses, and adds
 two contenders: the coordinator's own two-level agreement
 (``distributed.agreement_levels: host``, ``coordinator.two_level.TwoLevel``) on
 each op, ``host_gather`` and ``host_reduce``, each recorded against the flat
@@ -44,18 +45,21 @@ round plus its broadcast to its host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
+import math
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from gramcoord.benchmarks._agreement_sglang import local_status, sglang_step
 from gramcoord.benchmarks._contract import BenchRecord, interleaved_ms
-from gramcoord.benchmarks._scale_hosts import placement, sigterm_unwinds
-from gramcoord.benchmarks._scale_plot import write_svg
 from gramcoord.launch.ports import free_port
 from gramcoord.launch.procs import run_procs
 
@@ -64,7 +68,6 @@ PATHS = ("object", "gather", "reduce")
 # Two-level contenders (``coordinator.two_level.TwoLevel``), measured when ranks
 # are grouped into hosts; each is compared with the flat path of the same op.
 LEVELS = {"host_gather": "gather", "host_reduce": "reduce"}
-WIN_MARGIN = 1.1
 
 
 # -- child side -----------------------------------------------------------------
@@ -226,6 +229,49 @@ def _child(rank: int, world: int, args, grouped: bool) -> list[dict]:
 # -- parent side ----------------------------------------------------------------
 
 
+def placement(world: int, hosts: int, mode: str) -> tuple[int, ...]:
+    """The host index of every rank.
+
+    ``block`` gives host 0 ranks ``0 .. world/H - 1`` and so on (torchrun's
+    ``--nproc-per-node`` layout); ``round`` deals ranks out in turn.
+
+    Raises
+    ------
+    ValueError
+        If there are fewer ranks than hosts (a host would be empty).
+    """
+    if world < hosts:
+        raise ValueError(f"{world} ranks cannot fill {hosts} hosts; use at least {hosts} ranks")
+    if mode == "round":
+        return tuple(r % hosts for r in range(world))
+    per, extra = divmod(world, hosts)
+    out: list[int] = []
+    for h in range(hosts):
+        out += [h] * (per + (h < extra))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Turn SIGTERM into ``SystemExit`` for the block, so ``finally`` and ``with`` exits run.
+
+    The simulated hosts are torn down by context managers and ``atexit``;
+    a plain SIGTERM would skip both and leave namespaces behind.
+    """
+
+    def _raise(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gramcoord bench scale")
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="default: 2 4 8 16")
@@ -293,7 +339,7 @@ def _spawn(opts, world: int, hosts) -> list:
         seats = tuple((hosts.namespaces[h], hosts.names[h]) for h in host_of)
         env.update(MASTER_ADDR=hosts.addresses[host_of[0]], GLOO_SOCKET_IFNAME="eth0")
     return run_procs(
-        "gramcoord.benchmarks._scale_hosts:on_host",
+        "gramcoord.benchmarks.simulated_hosts:on_host",
         world,
         args=(seats, child, opts, True),
         timeout=CHILD_TIMEOUT_S,
@@ -365,30 +411,59 @@ def _measure(opts, hosts) -> list[BenchRecord]:
                     )
     title = "agreement step, slowest rank's median (ms, log) vs ranks"
     write_svg(series, opts.ranks, opts.plot, title, where)
-    _summary(opts, series)
     print(f"wrote {opts.plot}; benchmark wall time {time.monotonic() - t0:.0f} s")
     return records
 
 
-def _summary(opts, series) -> None:
-    for pending in opts.pending:
-        g, r = series[("gather", pending)], series[("reduce", pending)]
-        over = [w for w in opts.ranks if r[w] < g[w]]
-        cross = next(
-            (w for w in opts.ranks if all(r[v] < g[v] for v in opts.ranks if v >= w)), None
+COLORS = {
+    "object": "#d62728",
+    "gather": "#1f77b4",
+    "reduce": "#2ca02c",
+    "host_gather": "#9467bd",
+    "host_reduce": "#ff7f0e",
+}
+
+
+def write_svg(series: dict, ranks: list[int], path: Path, title: str, subtitle: str = "") -> None:
+    """Write ``series`` {(path name, pending): {ranks: ms}} to ``path`` as an SVG.
+
+    Hand-written (no plotting dependency): log-log axes, solid lines for the
+    largest pending count and dashed for the others, one colour per path.
+    """
+    w, h, m = 640, 420, 60
+    vals = [v for pts in series.values() for v in pts.values()]
+    lo, hi = math.log10(min(vals)) - 0.1, math.log10(max(vals)) + 0.1
+    xs = {r: m + (w - 2 * m) * i / max(1, len(ranks) - 1) for i, r in enumerate(ranks)}
+
+    def y(v):
+        return h - m - (h - 2 * m) * (math.log10(v) - lo) / (hi - lo)
+
+    el = [f'<rect width="{w + 60}" height="{h}" fill="white"/>']
+    el.append(f'<text x="{w / 2}" y="24" text-anchor="middle">{title}</text>')
+    el.append(f'<text x="{w / 2}" y="42" text-anchor="middle" font-size="11">{subtitle}</text>')
+    for r, x in xs.items():
+        el.append(f'<text x="{x:.0f}" y="{h - m + 20}" text-anchor="middle">{r}</text>')
+    el.append(f'<text x="{w / 2}" y="{h - m + 40}" text-anchor="middle">ranks</text>')
+    for e in range(math.ceil(lo), math.floor(hi) + 1):
+        el.append(
+            f'<line x1="{m}" x2="{w - m}" y1="{y(10**e):.1f}" y2="{y(10**e):.1f}" stroke="#ddd"/>'
         )
-        print(
-            f"p{pending}: reduce faster than gather at ranks {over}; "
-            f"crossover (faster from here on): {cross}"
+        el.append(f'<text x="{m - 6}" y="{y(10**e):.1f}" text-anchor="end">{10**e:g}</text>')
+    top = max(p for _, p in series)
+    for k, ((name, pending), pts) in enumerate(series.items()):
+        dash = "" if pending == top else ' stroke-dasharray="6 4"'
+        line = " ".join(f"{xs[r]:.1f},{y(v):.1f}" for r, v in sorted(pts.items()))
+        el.append(
+            f'<polyline points="{line}" fill="none" stroke="{COLORS[name]}" '
+            f'stroke-width="2"{dash}/>'
         )
-        if ("host_gather", pending) in series:
-            hg, hr = series[("host_gather", pending)], series[("host_reduce", pending)]
-            sizes = sorted(hg)  # worlds of one rank per host have no two-level run
-            ratio = {w: min(g[w], r[w]) / min(hg[w], hr[w]) for w in sizes}
-            # A 10% margin: on a shared machine, a smaller lead is noise.
-            wins = [w for w in sizes if ratio[w] > WIN_MARGIN]
-            shown = ", ".join(f"{w}: {ratio[w]:.2f}" for w in sizes)
-            print(
-                f"p{pending}: best flat / best two-level by ranks {{{shown}}}; "
-                f"two-level faster by > {WIN_MARGIN - 1:.0%} at ranks {wins}"
-            )
+        el.append(
+            f'<text x="{w - m + 4}" y="{m + 14 * k}" fill="{COLORS[name]}" '
+            f'font-size="11">{name} p{pending}</text>'
+        )
+    body = "\n".join(el)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w + 60}" height="{h}" '
+        f'font-family="sans-serif" font-size="12">\n{body}\n</svg>\n'
+    )

@@ -9,33 +9,40 @@ builds ``n`` hosts on this machine (docs/scaling.md), each with:
   network), on one veth pair to a private switch: a bridge inside a switch
   namespace of its own, so nothing is added to the machine's own namespace;
 - its own hostname, which what runs there takes in a UTS namespace of its
-  own (``gramcoord bench scale --hosts``: ``_scale_hosts.enter_host``);
+  own;
 - an ``/etc/netns/<ns>/hosts`` listing every simulated host, which
   ``ip netns exec`` mounts over ``/etc/hosts`` (c10d resolves hostnames).
 
-The tests' subclass (``tests/simulated_hosts.py``) adds running commands on
+``gramcoord bench scale --hosts`` spawns its ranks with ``on_host``, which
+moves each child onto its host (``enter_host``) before it imports torch;
+the tests' subclass (``tests/simulated_hosts.py``) adds running commands on
 a host, and partitions. Everything is torn down on ``close`` / ``__exit__``
-and at interpreter exit
-(names carry a fixed prefix, so what a killed process left behind can be
-found with ``ip netns list``). Needs root and namespace support; ``available()`` says
-whether this machine has them. Traffic goes only to the hosts' own
-addresses.
+and at interpreter exit (names carry a fixed prefix, so what a killed
+process left behind can be found with ``ip netns list``). Needs root and
+namespace support; ``available()`` says whether this machine has them.
+Traffic goes only to the hosts' own addresses.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 from pathlib import Path
+
+from gramcoord.launch.procs import resolve
 
 PREFIX = "gcsim"
 SUBNET = "192.0.2"
 NETNS_ETC = Path("/etc/netns")
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -140,3 +147,37 @@ class SimulatedHosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def enter_host(namespace: str | None, hostname: str) -> None:
+    """Move this process onto a host: its network namespace (None: stay) and its hostname.
+
+    Python 3.11 has no ``os.setns``, hence the libc call. Entering a namespace
+    only changes the calling thread, so it must happen before any thread that
+    opens a socket exists: first thing in a spawned child.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if namespace is not None:
+        fd = os.open(os.path.join("/run/netns", namespace), os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+    if libc.unshare(CLONE_NEWUTS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWUTS): {os.strerror(err)}")
+    socket.sethostname(hostname)
+
+
+def on_host(rank: int, world: int, seats: tuple[tuple[str | None, str], ...], target: str, *args):
+    """``run_procs`` target: enter ``seats[rank]`` = (namespace, hostname), then run ``target``.
+
+    A seat without a namespace is a virtual host: its own hostname on the
+    machine's loopback. Gloo then binds the host's ``eth0`` address
+    (``GLOO_SOCKET_IFNAME``), so ranks of one host talk inside that namespace
+    and ranks of different hosts cross veth, bridge, veth.
+    """
+    enter_host(*seats[rank])
+    return resolve(target)(rank, world, *args)

@@ -2,11 +2,9 @@
 
 ``gramcoord bench step`` starts a gloo world of four ranks (2 data-parallel
 replicas x 2 tensor-parallel ranks) and runs the same workload through it
-several ways, one after the other in the same processes
-(``_step_ranks.py``):
+three ways, one after the other in the same processes (``_step_ranks.py``):
 
-- **ours**: ``RankSession`` + the step loop ``gramcoord run`` runs
-  (``_step_ours.py``);
+- **ours**: ``RankSession`` + the step loop ``gramcoord run`` runs;
 - **SGLang-style** (``_step_sglang.py``): every TP rank schedules, compiles
   and fills its own masks; arrivals are broadcast pickled each iteration,
   readiness agreed with ``all_gather_object`` of index sets, sampled ids
@@ -18,52 +16,39 @@ several ways, one after the other in the same processes
 Same synthetic model, greedy sampling, xgrammar compiler settings and
 requests (the json / regex records of ``configs/workload.jsonl`` ours
 admits; ``--copies`` repeats them under new ids, ``--max-tokens`` caps the
-outputs). All three fill on a thread while the forward runs.
+outputs). All three fill on a thread while the forward runs. Each way runs
+``--rounds`` times in rotating order, then the floor
+(``_step_ranks.py``: one bare xgrammar fill of the run's own batches
++ one memcpy of the rows + one gloo 1-element round trip between the TP
+ranks).
 
 Per step, on every rank (``_step_common.RunClock``): **overhead** = the gap
 between two forward calls minus the forward (everything but the model);
 **coordination** = overhead minus the logits work every way does alike
 (xgrammar's mask kernel and the greedy pick, which on CPU cost more than
 anything else). Figure = the slowest rank's median over the steps with rows.
-
-Two phases, each its own world:
-
-1. the three ways on the workload as it is, ``--rounds`` times in rotating
-   order, then the floor (``_step_lower_bound.py``: one bare xgrammar fill of the
-   run's own batches + one memcpy of the rows + one gloo 1-element round
-   trip between the TP ranks). Records ``step_{overhead,coordination}_vs_
-   {sglang,vllm}`` (target >= 2x) and ``..._vs_floor`` (floor / ours, target
-   >= 0.833: ours within 1.2x of the floor);
-2. ours with each fill strategy of the builder (``--strategies``) on a
-   batch-sized workload (``--fill-copies``, ``--fill-max-tokens``: batches
-   start above the builder's parallel threshold): ``fill_<s>_end_to_end``,
-   default over strategy (above 1: the strategy wins end to end).
-
-In every phase the outputs (status, finish reason, token ids per request)
-of every way and round must be identical; otherwise the bench raises.
-Ratio = baseline / ours, higher is better.
+Records ``step_{overhead,coordination}_vs_{sglang,vllm}`` (target >= 2x)
+and ``..._vs_floor`` (floor / ours, target >= 0.833: ours within 1.2x of
+the floor). The outputs (status, finish reason, token ids per request) of
+every way and round must be identical; otherwise the bench raises.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from gramcoord.benchmarks._contract import WORKLOAD, BenchRecord
-from gramcoord.benchmarks._step_common import (
-    RankRun,
-    bench_requests,
-    forward_ms,
-    step_samples_ms,
-)
-from gramcoord.benchmarks._step_ours import STRATEGIES
+from gramcoord.benchmarks._step_common import bench_requests, forward_ms, step_samples_ms
 from gramcoord.benchmarks._step_ranks import DP, TP, WorldOptions
 from gramcoord.launch.procs import run_ranks
-from gramcoord.rank_worker.masks.bitmask import DEFAULT_PARALLEL_THRESHOLD, default_fill_threads
 
 FLOOR_TARGET = round(1 / 1.2, 3)
+KINDS = {
+    "overhead": "step wall minus forward",
+    "coordination": "step wall minus forward, mask kernel and greedy pick",
+}
 
 
 class OutputsDiffer(RuntimeError):
@@ -79,30 +64,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "--max-tokens", type=int, default=0, help="cap every request's output (0 = the record's)"
     )
     p.add_argument("--rounds", type=int, default=2, help="runs of each way (order rotates)")
-    p.add_argument(
-        "--strategies",
-        nargs="*",
-        default=["batch1", "pool"],
-        choices=[s for s in STRATEGIES if s != "default"],
-        help="fill strategies of ours measured against the builder's default (none: skip)",
-    )
-    p.add_argument(
-        "--fill-copies",
-        type=int,
-        default=0,
-        help="fill phase: copies of the records (0: the fewest that start each replica's "
-        "batch above the builder's parallel threshold)",
-    )
-    p.add_argument(
-        "--fill-max-tokens", type=int, default=12, help="fill phase: cap of every output"
-    )
-    p.add_argument("--fill-rounds", type=int, default=2, help="fill phase: runs of each strategy")
-    p.add_argument(
-        "--sync-forward",
-        action="store_true",
-        help="end every forward with a 1-element all_reduce on the TP group, as a "
-        "tensor-parallel forward does",
-    )
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole world")
     return p.parse_args(argv)
 
@@ -122,13 +83,13 @@ def _diff(a, b) -> str:
 def check_outputs(by_way: dict[str, list[dict]]) -> tuple[int, int]:
     """(requests, tokens) of the reference; raises ``OutputsDiffer`` on any difference."""
     (ref_way, (ref, *_)), *_ = by_way.items()
-    diffs = []
-    for way, rounds in by_way.items():
-        for i, got in enumerate(rounds):
-            for rid in sorted(ref.keys() | got.keys()):
-                a, b = ref.get(rid), got.get(rid)
-                if a != b:
-                    diffs.append(f"{way} (round {i}) vs {ref_way}, request {rid!r}: {_diff(a, b)}")
+    diffs = [
+        f"{way} (round {i}) vs {ref_way}, request {rid!r}: {_diff(ref.get(rid), got.get(rid))}"
+        for way, rounds in by_way.items()
+        for i, got in enumerate(rounds)
+        for rid in sorted(ref.keys() | got.keys())
+        if ref.get(rid) != got.get(rid)
+    ]
     if diffs:
         raise OutputsDiffer(f"{len(diffs)} output difference(s); first: " + "; ".join(diffs[:3]))
     return len(ref), sum(len(o.token_ids) for o in ref.values())
@@ -137,25 +98,26 @@ def check_outputs(by_way: dict[str, list[dict]]) -> tuple[int, int]:
 class WayStats:
     """One way's samples, every round pooled per rank."""
 
-    def __init__(self, rounds: list[list[RankRun]]) -> None:
+    def __init__(self, runs: list) -> None:
         # kind ("overhead" | "coordination") -> rank -> per-step ms.
-        self.per_rank: dict[str, dict[int, list[float]]] = {"overhead": {}, "coordination": {}}
-        self.forward: list[float] = []
-        self.rows: list[int] = []
-        self.parts: dict[str, list[float]] = {}
-        self.outputs = [{k: v for run in runs for k, v in run.outputs.items()} for runs in rounds]
-        for runs in rounds:
-            for run in runs:
-                samples = step_samples_ms(run)
-                self.per_rank["overhead"].setdefault(run.rank, []).extend(o for o, _ in samples)
-                self.per_rank["coordination"].setdefault(run.rank, []).extend(c for _, c in samples)
-                self.forward += forward_ms(run.calls)
-                self.rows += [n for _, _, n in run.calls if n]
-                for name, values in run.timings.items():
-                    if name != "forward":
-                        self.parts.setdefault(name, []).extend(values)
+        self.per_rank: dict[str, dict[int, list[float]]] = {k: {} for k in KINDS}
+        self.forward, self.rows, self.parts, rounds = [], [], {}, {}
+        for run in runs:
+            rounds.setdefault(run.rank, []).append(run.outputs)
+            for sample in step_samples_ms(run):
+                for kind, ms in zip(KINDS, sample):
+                    self.per_rank[kind].setdefault(run.rank, []).append(ms)
+            self.forward += forward_ms(run.calls)
+            self.rows += [n for _, _, n in run.calls if n]
+            for name, values in run.timings.items():
+                if name != "forward":
+                    self.parts.setdefault(name, []).extend(values)
+        # Per round, every rank's outputs (stage-0 leaders hold them).
+        self.outputs = [
+            {k: v for o in outs for k, v in o.items()} for outs in zip(*rounds.values())
+        ]
 
-    def slowest(self, kind: str = "overhead") -> float:
+    def slowest(self, kind: str) -> float:
         """The largest per-rank median of ``kind`` per step."""
         return max(statistics.median(v) for v in self.per_rank[kind].values() if v)
 
@@ -175,30 +137,19 @@ class WayStats:
         )
 
 
-def _stats(results: list, opts: WorldOptions) -> tuple[dict[str, WayStats], str]:
-    """Every way's stats, after checking that all outputs agree; plus the setup."""
-    ways = list(dict.fromkeys(run.way for res in results for run in res.runs))
-    stats = {}
-    for way in ways:
-        rounds: list[list[RankRun]] = [[] for _ in range(opts.rounds)]
-        for res in results:
-            for i, run in enumerate(r for r in res.runs if r.way == way):
-                rounds[i].append(run)
-        stats[way] = WayStats(rounds)
+def way_records(results: list, opts: WorldOptions) -> list[BenchRecord]:
+    """Ours against the SGLang- and vLLM-style ways and against the floor, after
+    checking that every way and round produced the same outputs."""
+    stats = {
+        way: WayStats([run for res in results for run in res.runs if run.way == way])
+        for way in opts.ways
+    }
     n_req, n_tok = check_outputs({w: s.outputs for w, s in stats.items()})
-    sync = "ends in a TP all_reduce" if opts.sync_forward else "has no TP collective"
     setup = (
         f"dp={DP} tp={TP} gloo, {n_req} requests x {opts.rounds} round(s), {n_tok} tokens, "
-        f"outputs identical across ways; forward {sync}; ms per step, slowest rank's median; "
-        "2 shared cores"
+        "outputs identical across ways; ms per step, slowest rank's median; 2 shared cores"
     )
-    return stats, setup
-
-
-def way_records(results: list, opts: WorldOptions) -> list[BenchRecord]:
-    """Ours against the SGLang- and vLLM-style ways and against the floor."""
-    stats, setup = _stats(results, opts)
-    ours = stats["ours_default"]
+    ours = stats["ours"]
     floors = [res.floor for res in results if res.floor is not None and res.floor.ping_ms]
     worst = max(floors, key=lambda f: f.floor_ms())
     floor_note = (
@@ -209,10 +160,7 @@ def way_records(results: list, opts: WorldOptions) -> list[BenchRecord]:
         f"{statistics.median(worst.ping_ms):.3f} ms; ratio >= {FLOOR_TARGET}: ours within 1.2x"
     )
     out = []
-    for kind, what in (
-        ("overhead", "step wall minus forward"),
-        ("coordination", "step wall minus forward, mask kernel and greedy pick"),
-    ):
+    for kind, what in KINDS.items():
         for way, label in (("sglang", "sglang_style"), ("vllm", "vllm_style")):
             out.append(
                 BenchRecord.compare(
@@ -238,88 +186,21 @@ def way_records(results: list, opts: WorldOptions) -> list[BenchRecord]:
     return out
 
 
-def fill_records(results: list, opts: WorldOptions) -> list[BenchRecord]:
-    """Ours with each fill strategy against ours with the builder's default."""
-    stats, setup = _stats(results, opts)
-    ours = stats["ours_default"]
-    out = []
-    for way, st in stats.items():
-        if not way.startswith("ours_") or way == "ours_default":
-            continue
-        strategy = way.removeprefix("ours_")
-        out.append(
-            BenchRecord.compare(
-                f"fill_{strategy}_end_to_end",
-                "builder_default_fill",
-                st.slowest(),
-                ours.slowest(),
-                note=f"step overhead with the {strategy} fill vs the builder's default "
-                f"(one-thread BatchGrammarMatcher below {DEFAULT_PARALLEL_THRESHOLD} requests, "
-                f"{default_fill_threads()} threads from there); above 1: {strategy} wins; "
-                f"{setup}. {strategy}: {st.describe()}. default: {ours.describe()}",
-            )
-        )
-    return out
-
-
-def _world(
-    a: argparse.Namespace,
-    ways: tuple[str, ...],
-    *,
-    copies: int,
-    max_tokens: int,
-    rounds: int,
-    floor: bool,
-) -> tuple[list, WorldOptions]:
-    requests = bench_requests(a.workload, limit=a.limit, copies=copies, max_tokens=max_tokens)
+def run(args: list[str]) -> list[BenchRecord]:
+    a = _args(args)
+    kw = dict(limit=a.limit, copies=a.copies, max_tokens=a.max_tokens)
+    requests = bench_requests(a.workload, **kw)
     if not requests:
         raise SystemExit(f"no usable json / regex records in {a.workload}")
     opts = WorldOptions(
         workload=str(a.workload),
-        limit=a.limit,
-        copies=copies,
-        max_tokens=max_tokens,
+        **kw,
         # Every request of a replica fits one batch.
         max_num_seqs=-(-len(requests) // DP),
-        rounds=rounds,
-        ways=ways,
+        rounds=a.rounds,
         step_timeout_s=60.0,
-        sync_forward=a.sync_forward,
-        floor=floor,
     )
     results = run_ranks(
         "gramcoord.benchmarks._step_ranks:child", DP * TP, args=(opts,), timeout=a.timeout
     )
-    return [r.value for r in results], opts
-
-
-def run(args: list[str]) -> list[BenchRecord]:
-    a = _args(args)
-    try:
-        results, opts = _world(
-            a,
-            ("ours_default", "sglang", "vllm"),
-            copies=a.copies,
-            max_tokens=a.max_tokens,
-            rounds=a.rounds,
-            floor=True,
-        )
-        out = way_records(results, opts)
-        if a.strategies:
-            base = len(bench_requests(a.workload, limit=a.limit))
-            # Batches must start past the threshold, with a margin: the
-            # parallel path is what the strategies change.
-            copies = a.fill_copies or -(-(DEFAULT_PARALLEL_THRESHOLD + 8) * DP // base)
-            results, opts = _world(
-                a,
-                ("ours_default", *(f"ours_{s}" for s in a.strategies)),
-                copies=copies,
-                max_tokens=a.fill_max_tokens,
-                rounds=a.fill_rounds,
-                floor=False,
-            )
-            out += fill_records(results, opts)
-    except OutputsDiffer:
-        print("outputs differ between runs; the figures are not comparable", file=sys.stderr)
-        raise
-    return out
+    return way_records([r.value for r in results], opts)

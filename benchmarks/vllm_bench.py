@@ -31,6 +31,12 @@ the same requests for both backends:
   plugin (target: gramcoord within 10%, ratio >= 0.909). Not in the
   default parts: each start is a fresh engine (a minute on a busy 2-core
   machine), so ask for it: ``--parts start``.
+- ``bill`` (``_vllm_bill``): what one big schema costs a user: streamed
+  TTFT on the OpenAI server, cold, warm (a cache hit) and after a restart
+  (gramcoord with its spec store), and offline, constrained throughput and
+  the mixing radius of one constrained request in a batch of 64; the
+  baseline is vLLM without the plugin. Not in the default parts either:
+  ``--parts bill``.
 
 Both backends' children of the step and hol parts run at once and take turns, one round
 each (``_vllm_turns``): load that drifts over the run falls on both alike.
@@ -44,6 +50,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -58,36 +65,27 @@ NOT_INSTALLED = (
     "run `make venv-vllm`, then `.venv-vllm/bin/gramcoord bench vllm`"
 )
 BACKENDS = ("xgrammar", "gramcoord")
-QUICK = [
-    "--requests",
-    "4",
-    "--max-tokens",
-    "8",
-    "--repeat",
-    "1",
-    "--fast",
-    "3",
-    "--hol-repeat",
-    "1",
-    "--start-rounds",
-    "1",
-]
-PARTS = ("step", "hol", "start")
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+QUICK = shlex.split(
+    "--requests 4 --max-tokens 8 --repeat 1 --fast 3 --hol-repeat 1 --start-rounds 1 "
+    "--bill-rounds 1 --bill-repeats 1 --bill-properties 50 --bill-requests 4 --bill-tokens 8"
+)
+PARTS = ("step", "hol", "start", "bill")
 
 
 def _parse(args: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench vllm", description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="step,hol", help="comma-separated: step, hol, start")
+    p.add_argument("--parts", default="step,hol", help="comma-separated: step, hol, start, bill")
     p.add_argument("--requests", type=int, default=16, help="constrained requests per step round")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=5, help="measured step rounds per phase")
     p.add_argument("--fast", type=int, default=8, help="fast requests beside the slow one")
     p.add_argument("--hol-repeat", type=int, default=2, help="measured head-of-line rounds")
     p.add_argument("--start-rounds", type=int, default=2, help="start rounds (ABBA pairs)")
+    p.add_argument("--bill-rounds", type=int, default=3, help="bill rounds (ABBA)")
+    p.add_argument("--bill-repeats", type=int, default=5, help="warm requests and decode repeats")
+    p.add_argument("--bill-properties", type=int, default=500, help="the big schema's size")
+    p.add_argument("--bill-requests", type=int, default=32, help="throughput requests")
+    p.add_argument("--bill-tokens", type=int, default=64, help="tokens per offline request")
     p.add_argument(
         "--hol-cores",
         default="shared,split",
@@ -101,9 +99,7 @@ def _parse(args: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each child")
     p.add_argument("--data", default=None, help="folder of schemas-dev.jsonl")
     opts = p.parse_args(args)
-    if opts.quick:
-        opts = p.parse_args([*args, *QUICK])
-    return opts
+    return p.parse_args([*args, *QUICK]) if opts.quick else opts
 
 
 def _common(opts: argparse.Namespace, model: Path, work: Path) -> list[str]:
@@ -170,29 +166,27 @@ def _in_turns(children: list[Child], rounds: int, folder: Path, timeout_s: float
     print(f"bench vllm: {names} done in {wall:.0f} s (rounds in turns)", flush=True)
 
 
-def _hol_cores(text: str) -> list[str]:
+def _names(text: str, known, option: str) -> list[str]:
+    """A comma-separated option's names; an unknown one (or none) exits."""
     got = [c.strip() for c in text.split(",") if c.strip()]
-    unknown = sorted(set(got) - set(CORES))
+    unknown = sorted(set(got) - set(known))
     if unknown or not got:
         raise SystemExit(
-            f"--hol-cores: unknown {', '.join(unknown) or '(none)'}; use shared, split"
+            f"{option}: unknown {', '.join(unknown) or '(none)'}; use {', '.join(known)}"
         )
-    if "split" in got and not {0, 1} <= os.sched_getaffinity(0):
-        raise SystemExit("--hol-cores split needs CPUs 0 and 1")
     return got
 
 
 def run(args: list[str]) -> list[BenchRecord]:
     opts = _parse(args)
-    if not vllm_available():
+    if importlib.util.find_spec("vllm") is None:
         raise SystemExit(NOT_INSTALLED)
     from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
 
-    parts = {p.strip() for p in opts.parts.split(",") if p.strip()}
-    unknown = parts - set(PARTS)
-    if unknown:
-        raise SystemExit(f"--parts: unknown {', '.join(sorted(unknown))}; use {', '.join(PARTS)}")
-    hol_cores = _hol_cores(opts.hol_cores) if "hol" in parts else []
+    parts = _names(opts.parts, PARTS, "--parts")
+    hol_cores = _names(opts.hol_cores, CORES, "--hol-cores") if "hol" in parts else []
+    if "split" in hol_cores and not {0, 1} <= os.sched_getaffinity(0):
+        raise SystemExit("--hol-cores split needs CPUs 0 and 1")
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="gramcoord-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -209,5 +203,13 @@ def run(args: list[str]) -> list[BenchRecord]:
         got = measure(model, work, opts.start_rounds, opts.timeout_s)
         (work / "start.json").write_text(json.dumps(got, indent=1))
         records += start_records(got)
+    if "bill" in parts:
+        from gramcoord.benchmarks import _vllm_bill as bill
+
+        got = bill.measure(model, work, opts)
+        (work / "bill.json").write_text(json.dumps(got, indent=1))
+        decode = bill.measure_decode(model, work, opts)
+        (work / "bill-decode.json").write_text(json.dumps(decode, indent=1))
+        records += bill.bill_records(got) + bill.decode_records(decode)
     print(f"bench vllm: children's logs and JSON in {work}")
     return records

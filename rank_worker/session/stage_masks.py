@@ -31,8 +31,7 @@ class StageMasks(AppliesRows):
     Parameters
     ----------
     builder:
-        Fills the rows. A benchmark may swap ``builder`` for a candidate
-        fill strategy; nothing else is meant to be replaced.
+        Fills the rows.
     applier:
         Aligns, applies and digests rows (``AppliesRows``).
     matcher:

@@ -145,7 +145,7 @@ def test_bench_all_skips_vllm_cleanly_without_it(tmp_path, monkeypatch, capsys) 
     assert missing_need("vllm") is not None and missing_need("transport") is None
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
-    assert main(["bench", "all", "--out", str(out), "--no-run", "--only", "vllm"]) == 0
+    assert main(["bench", "all", "--out", str(out), "--only", "vllm"]) == 0
     (run,) = json.loads((out / "bench_runs.json").read_text())
     assert run["skipped"].startswith("skipped: vllm is not importable") and run["error"] is None
     assert json.loads((out / "bench.json").read_text()) == []

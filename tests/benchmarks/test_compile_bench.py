@@ -15,8 +15,13 @@ import pytest
 import xgrammar as xgr
 
 from gramcoord.benchmarks import compile as bench
-from gramcoord.benchmarks._compile_worker import CompileWorker
-from gramcoord.benchmarks._vllm_path import VllmRefail, likely_lark, xgrammar_unsupported
+from gramcoord.benchmarks.compile import (
+    CompileWorker,
+    VllmRefail,
+    likely_lark,
+    xgrammar_unsupported,
+)
+from gramcoord.launch.workload import dev_data_dir
 
 STR = {"type": "string"}
 
@@ -96,7 +101,7 @@ def test_vllm_refail_rejects_where_vllm_does(tiny_tokenizer, spec, where):
 
 
 def test_bad_dev_specs_are_refused_by_vllm(qwen_tokenizer):
-    specs = bench._bad_dev_specs(bench.dev_data_dir())
+    specs = bench._bad_dev_specs(dev_data_dir())
     assert specs, "the dev data holds schemas xgrammar refuses"
     vllm = VllmRefail(qwen_tokenizer)
     assert all(vllm(s) for s in specs)

@@ -1,6 +1,6 @@
 """``gramcoord bench``: discovery from the package, the data an install finds, the report.
 
-The cheap side: no benchmark runs here (``test_bench_all.py`` runs one).
+The cheap side: no benchmark runs here (``test_all.py`` runs one).
 """
 
 from __future__ import annotations
@@ -15,7 +15,17 @@ import msgspec
 import pytest
 
 from gramcoord.benchmarks import _contract as bench_mod
-from gramcoord.benchmarks._all import PLANS, _parse, _selection, default_config
+from gramcoord.benchmarks._all import (
+    PAGE_BEGIN,
+    PAGE_END,
+    PLANS,
+    BenchMeta,
+    BenchRun,
+    _parse,
+    _selection,
+    code_commit,
+    markdown,
+)
 from gramcoord.benchmarks._contract import (
     BenchRecord,
     available,
@@ -25,18 +35,6 @@ from gramcoord.benchmarks._contract import (
     load,
     run_bench,
 )
-from gramcoord.benchmarks._plot import plot, score
-from gramcoord.benchmarks._tables import (
-    PAGE_BEGIN,
-    PAGE_END,
-    BenchMeta,
-    BenchRun,
-    StepBreakdown,
-    breakdown_of,
-    code_commit,
-    markdown,
-)
-from gramcoord.engine.timings import percentiles
 from gramcoord.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,12 +149,6 @@ def test_without_checkout_data_the_installed_subset_is_the_default(monkeypatch, 
     assert (found / "LICENSES").is_dir()
 
 
-def test_the_default_config_is_found_through_the_package():
-    config, workload = default_config()
-    assert config.resolve() == (ROOT / "configs" / "local.yaml").resolve()
-    assert workload.is_file()
-
-
 # -- bench all's choices, without running anything ---------------------------------
 
 
@@ -202,37 +194,6 @@ def test_selection_refuses_bad_input(argv, message):
 # -- the report --------------------------------------------------------------------
 
 
-def _summary(tmp_path: Path, with_forward: bool) -> Path:
-    """A summary.json as ``gramcoord run`` writes it, cut to what the report reads."""
-    latency = {
-        "agreement": percentiles([1.0, 2.0, 3.0]),
-        "mask_build": percentiles([0.5]),
-        "transport": percentiles([0.1, 0.2]),
-        "apply": percentiles([0.3]),
-        "compile": percentiles([40.0]),
-    }
-    if with_forward:
-        latency["forward"] = percentiles([4.0, 6.0])
-    summary = {"requests": {"total": 1}, "latency_ms": latency, "steps": 7, "wall_s": 1.5}
-    path = tmp_path / "summary.json"
-    path.write_bytes(msgspec.json.encode(summary))
-    return path
-
-
-@pytest.mark.parametrize("with_forward", [False, True], ids=["no-forward", "forward"])
-def test_breakdown_reads_the_summary_and_names_what_it_lacks(tmp_path, with_forward):
-    b = breakdown_of(_summary(tmp_path, with_forward), "configs/local.yaml", 20.0)
-    assert b.error is None and b.steps == 7 and b.run_wall_s == 1.5
-    assert [p.name for p in b.phases][:4] == ["agreement", "build", "transport", "apply"]
-    assert b.phases[0].p50_ms == 2.0 and b.phases[0].count == 3
-    assert b.missing == ([] if with_forward else ["model"])
-
-
-def test_breakdown_of_a_missing_summary_is_an_error(tmp_path):
-    b = breakdown_of(tmp_path / "summary.json", "configs/local.yaml", 3.0)
-    assert b.error and "no summary.json" in b.error and b.phases == []
-
-
 def _records() -> list[BenchRecord]:
     rows = [
         BenchRecord.compare("fast", "slow", 1.0, 4.0, target=3.0, note="a | b"),
@@ -245,21 +206,12 @@ def _records() -> list[BenchRecord]:
     return [*rows, BenchRecord.failed("broken", "exit 1: ValueError: nope")]
 
 
-def test_score_is_the_distance_to_every_target():
-    fast, miss, timed, report, _ = _records()
-    assert score(fast) == pytest.approx(4 / 3)
-    assert score(miss) == pytest.approx(2 / 3)
-    assert score(timed) == pytest.approx(2.5)
-    assert score(report) is None
-
-
-def test_markdown_marks_missed_targets_and_failed_benchmarks(tmp_path):
+def test_markdown_marks_missed_targets_and_failed_benchmarks():
     runs = [
         BenchRun(name="demo", args=["--n", "1"], wall_s=3.2, exit_code=0, num_records=4),
         BenchRun(name="broken", args=[], wall_s=0.5, exit_code=1, error="exit 1: ValueError"),
     ]
-    breakdown = breakdown_of(_summary(tmp_path, False), "configs/local.yaml", 20.0)
-    md = markdown(_records(), runs, breakdown)
+    md = markdown(_records(), runs)
     header = (
         "| benchmark | record | baseline | ours ms | baseline ms | ratio | target | met | note |"
     )
@@ -279,7 +231,6 @@ def test_markdown_marks_missed_targets_and_failed_benchmarks(tmp_path):
     cells = len(header.split(" | "))
     assert all(len(re.split(r"(?<!\\) \| ", ln)) == cells for ln in rows)
     assert "| demo | `--n 1` | 3.2 | 4 records |" in runs_part
-    assert "| model | - | - | not in summary.json |" in runs_part
 
 
 def test_interleaved_ms_alternates_short_rounds_of_every_function():
@@ -297,11 +248,7 @@ def test_render_puts_an_earlier_runs_tables_into_the_page(tmp_path, capsys):
     out.mkdir()
     runs = [BenchRun(name="demo", args=[], wall_s=3.2, exit_code=0, num_records=4)]
     meta = BenchMeta(
-        command="gramcoord bench all --out bench-out",
-        commit="0123456789ab",
-        cpus=2,
-        load_avg=0.5,
-        breakdown=breakdown_of(_summary(tmp_path, True), "configs/local.yaml", 20.0),
+        command="gramcoord bench all --out bench-out", commit="0123456789ab", cpus=2, load_avg=0.5
     )
     for name, value in (("bench.json", _records()), ("bench_runs.json", runs)):
         (out / name).write_bytes(msgspec.json.encode(value))
@@ -319,8 +266,8 @@ def test_render_puts_an_earlier_runs_tables_into_the_page(tmp_path, capsys):
     assert "stale tables" not in text and text.count(PAGE_BEGIN) == 1
     block = text.split(PAGE_BEGIN)[1]
     assert "`gramcoord bench all --out bench-out` at commit `0123456789ab`" in block
-    assert markdown(_records(), runs, meta.breakdown).rstrip() in block
-    assert (out / "bench.md").read_text() == markdown(_records(), runs, meta.breakdown)
+    assert markdown(_records(), runs).rstrip() in block
+    assert (out / "bench.md").read_text() == markdown(_records(), runs)
     # A page without the markers is refused, and left as it was.
     page.write_text("# Performance\n")
     with pytest.raises(SystemExit, match="no block between"):
@@ -336,27 +283,6 @@ def test_the_commit_names_the_code_that_ran():
 def test_format_table_shows_an_error_row():
     text = format_table(_records()[-1:])
     assert "broken: ERROR" in text and "ValueError" in text
-
-
-@pytest.mark.parametrize(
-    "breakdown",
-    [
-        None,
-        StepBreakdown(config="configs/local.yaml", wall_s=1.0, error="exit 1"),
-        "summary",
-    ],
-    ids=["no-run", "run-failed", "run"],
-)
-def test_plot_writes_a_png(tmp_path, breakdown):
-    if breakdown == "summary":
-        breakdown = breakdown_of(_summary(tmp_path, False), "configs/local.yaml", 20.0)
-    path = plot(_records(), breakdown, tmp_path / "bench.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_plot_without_any_target(tmp_path):
-    path = plot(_records()[3:4], None, tmp_path / "bench.png")
-    assert path.stat().st_size > 1000
 
 
 # -- the command line --------------------------------------------------------------
@@ -380,27 +306,3 @@ def test_bench_help_is_the_named_benchmarks_own(argv, want, capsys):
         main(argv)
     assert exc.value.code == 0
     assert want in capsys.readouterr().out
-
-
-def test_repeated_record_names_get_told_apart_in_the_plot():
-    from gramcoord.benchmarks._plot import _label
-
-    def rec(name, baseline, note):
-        r = BenchRecord.compare(name, baseline, 1.0, 2.0, target=1.0, note=note)
-        r.bench = "b"
-        return r
-
-    rows = [
-        rec("hop", "ping", "2 ranks, 64 pending; x"),
-        rec("hop", "ping", "2 ranks, 512 pending (window = pending); x"),
-        rec("repeat", "vllm", "n"),
-        rec("repeat", "sglang", "n"),
-        rec("alone", "z", "n"),
-    ]
-    assert [_label(r, rows) for r in rows] == [
-        "b: hop (2 ranks, 64 pending)",
-        "b: hop (2 ranks, 512 pending)",
-        "b: repeat vs vllm",
-        "b: repeat vs sglang",
-        "b: alone",
-    ]
