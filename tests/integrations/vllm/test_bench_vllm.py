@@ -1,4 +1,4 @@
-"""``gramcoord bench vllm --quick --parts step`` on the real engine: the report's shape.
+"""``gramcoord bench vllm --quick --parts step`` and ``--parts bill`` on the real engine: the reports' shape.
 
 Two in-process engines (vLLM's xgrammar backend, then gramcoord), the same
 requests; no timing is asserted, only that every record is there with its
@@ -51,3 +51,27 @@ def test_quick_step_run_reports_every_record(tmp_path, monkeypatch) -> None:
         # The worker applied masks, and the scheduler built them.
         assert records[f"vllm_step_part_apply_grammar_bitmask_{backend}"]["median_ms"] > 0
         assert records[f"vllm_step_part_grammar_bitmask_{backend}"]["median_ms"] > 0
+
+
+def test_quick_bill_run_reports_its_table(tmp_path, monkeypatch) -> None:
+    """``--parts bill``: OpenAI servers of both backends started, stopped and restarted
+    (gramcoord on a spec store), offline children; every record there, outputs checked."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    args = ["--quick", "--parts", "bill", "--workdir", str(tmp_path / "work")]
+    assert main(["bench", "vllm", "--out", str(out), "--", *args]) == 0
+    records = {r["name"]: r for r in json.loads((out / "bench.json").read_text())}
+    for what in ("cold", "warm", "restart"):
+        row = records[f"vllm_bill_ttft_{what}_gramcoord"]
+        assert row["baseline"] == f"vllm_bill_ttft_{what}_xgrammar"
+        assert row["median_ms"] > 0 and row["baseline_median_ms"] > 0
+        # Greedy on the same vocabulary and compile calls: the same reply on both.
+        assert "identical across backends: True" in row["note"], row["note"]
+    assert records["vllm_bill_restart_over_warm_gramcoord"]["target"] == round(1 / 1.2, 3)
+    throughput = records["vllm_bill_constrained_gramcoord"]
+    assert "identical across backends: True" in throughput["note"], throughput["note"]
+    assert records["vllm_bill_mixing_radius_gramcoord"]["median_ms"] > 0
+    # The restarted gramcoord server found its spec store and compiled nothing on the path.
+    logs = "\n".join(p.read_text() for p in (tmp_path / "work").glob("bill-gramcoord-*.log"))
+    assert "specs compiled at start, 0 refused" in logs
+    assert "joined the warm-start compile" in logs
