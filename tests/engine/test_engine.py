@@ -734,7 +734,7 @@ def test_merge_summary_counts_and_json_validity():
     }
     assert summary.finish_reasons == {"grammar_end": 5, "length": 1, "error": 1, "stop": 1}
     assert summary.tokens["generated"] == 2 * 6 + 3 and summary.tokens["jump_forward_tokens"] == 2
-    assert summary.cache == {"hits": 2, "misses": 3, "poisoned_hits": 1, "joined": 1}
+    assert summary.cache == {"hits": 2, "misses": 3, "poisoned_hits": 1, "joined": 1, "warm": 0}
     assert summary.latency_ms["agreement"].count == 2
     assert summary.latency_ms["compile"].count == 1
     assert (summary.steps, summary.wall_s, summary.config) == (4, 2.5, {"k": 1})
