@@ -25,10 +25,12 @@ import re
 import signal
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import msgspec
 
@@ -317,13 +319,30 @@ def load(name: str, package: str = PACKAGE) -> ModuleType:
 def run_bench(
     name: str, args: list[str], out_dir: Path, *, package: str = PACKAGE
 ) -> list[BenchRecord]:
-    """Run benchmark ``name`` with ``args``, print its records and write ``bench.json``."""
-    records = load(name, package).run(args)
+    """Run benchmark ``name`` with ``args``, print its records and write ``bench.json``.
+
+    A SIGTERM (``bench all``'s deadline) ends the run as an exception would,
+    so the benchmark's ``finally`` blocks stop what it started in sessions
+    of its own (vLLM's servers), which ending this process's group misses.
+    """
+    module = load(name, package)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        records = module.run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     for r in records:
         r.bench = r.bench or name
     print(format_table(records))
     print(f"wrote {write_records(records, out_dir)}")
     return records
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 # -- child processes -----------------------------------------------------------------

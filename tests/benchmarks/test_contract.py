@@ -306,3 +306,49 @@ def test_bench_help_is_the_named_benchmarks_own(argv, want, capsys):
         main(argv)
     assert exc.value.code == 0
     assert want in capsys.readouterr().out
+
+
+def test_a_terminated_benchmark_runs_its_cleanup(tmp_path):
+    """``bench all``'s deadline sends SIGTERM: the benchmark's ``finally`` blocks still
+    run (they stop servers started in sessions of their own), and the run exits 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pkg = tmp_path / "termbench"
+    pkg.mkdir()
+    (pkg / "slow.py").write_text(
+        textwrap.dedent(
+            f"""
+            import time
+            from pathlib import Path
+
+            def run(args):
+                Path({str(tmp_path / "started")!r}).write_text("")
+                try:
+                    time.sleep(120)
+                finally:
+                    Path({str(tmp_path / "cleaned")!r}).write_text("")
+                return []
+            """
+        )
+    )
+    code = (
+        "import sys; from pathlib import Path; "
+        "from gramcoord.benchmarks._contract import run_bench; "
+        f"run_bench('slow', [], Path({str(tmp_path / 'out')!r}), package='termbench')"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (tmp_path / "cleaned").exists()
