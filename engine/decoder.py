@@ -16,6 +16,13 @@ in one process and without batching:
 With a deterministic model the outputs do not depend on K or the drafter:
 a row's mask equals the mask a K = 0 run computes at the same position,
 which is what the property tests check.
+
+Who calls it: the property and model tests (``tests/rank_worker/masks``,
+``tests/engine``), as the oracle the batched step loop (``engine.loop``)
+is checked against, and ``gramcoord bench jump_forward``, which counts
+model steps one request at a time. It is an independent reference on
+purpose, so no served path runs it; it stays in the package because that
+benchmark ships there.
 """
 
 from __future__ import annotations
