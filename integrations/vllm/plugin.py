@@ -343,16 +343,17 @@ def _build_backend(manager: Any) -> None:
     manager._use_async_grammar_compilation = True
 
 
-def _warms_at_start(vllm_config: Any) -> bool:
-    """Whether the engine runs gramcoord with a spec store or an operator's list."""
+def _store_at_start(vllm_config: Any) -> Any:
+    """The spec store's options when the engine runs gramcoord with a store dir or an
+    operator's list (its warm start begins with the engine), else ``None``."""
     so = vllm_config.structured_outputs_config
     if so is None or so.backend != NAME or vllm_config.model_config.skip_tokenizer_init:
-        return False
+        return None
     from gramcoord.integrations.vllm.options import parse
 
     extra = (vllm_config.additional_config or {}).get("gramcoord")
     store = parse(extra, bool(so.disable_any_whitespace)).grammar.store
-    return store.dir is not None or bool(store.preload)
+    return store if store.dir is not None or store.preload else None
 
 
 def _wrap_manager() -> None:
@@ -366,7 +367,7 @@ def _wrap_manager() -> None:
     @functools.wraps(init)
     def made(self, vllm_config):
         init(self, vllm_config)
-        if _warms_at_start(vllm_config):  # the stored specs compile from the start on
+        if _store_at_start(vllm_config) is not None:  # stored specs compile from the start
             _build_backend(self)
 
     @functools.wraps(original)
@@ -395,15 +396,13 @@ def _warm_front_end(vllm_config: Any) -> None:
     (``spec.admit``) and the validation modules imported, as a repeated
     request does.
     """
-    if not _warms_at_start(vllm_config):
+    store = _store_at_start(vllm_config)
+    if store is None:
         return
-    from gramcoord.integrations.vllm.options import front_end_config, parse, vocab_name
+    from gramcoord.integrations.vllm.options import front_end_config, vocab_name
 
-    so = vllm_config.structured_outputs_config
-    store = parse(
-        (vllm_config.additional_config or {}).get("gramcoord"), bool(so.disable_any_whitespace)
-    ).grammar.store
-    config = front_end_config(bool(so.disable_any_whitespace))
+    disable_any_whitespace = bool(vllm_config.structured_outputs_config.disable_any_whitespace)
+    config = front_end_config(disable_any_whitespace)
     vocab = vocab_name(vllm_config)
 
     def run() -> None:
@@ -413,28 +412,19 @@ def _warm_front_end(vllm_config: Any) -> None:
             importlib.import_module(_FIRST_REQUEST_IMPORT)
         from gramcoord.rank_worker.errors import SpecError
         from gramcoord.rank_worker.grammars.spec import validate_spec
-        from gramcoord.rank_worker.grammars.spec_store import (
-            SpecStore,
-            lowest_priority,
-            read_preload_list,
-        )
+        from gramcoord.rank_worker.grammars.spec_store import SpecStore, gather, lowest_priority
 
         lowest_priority()
-        specs = []
+        opened = None
         if store.dir is not None:
-            try:
-                found, _ = SpecStore(
+            with contextlib.suppress(OSError):  # the engine says so
+                opened = SpecStore(
                     store.dir, vocab, max_records=store.max_records,
                     max_spec_bytes=config.max_spec_bytes,
-                ).load()  # fmt: skip
-                specs += [s.spec for s in found]
-            except OSError:
-                pass  # the engine says so
-        for path in store.preload:
-            specs += [spec for _, spec in read_preload_list(path, config.max_spec_bytes)[0]]
-        for spec in specs:
+                )  # fmt: skip
+        for stored in gather(opened, store.preload, config.max_spec_bytes)[0]:
             with contextlib.suppress(SpecError):
-                validate_spec(spec, config)
+                validate_spec(stored.spec, config)
 
     threading.Thread(target=run, name="gramcoord-front-end-warm", daemon=True).start()
 

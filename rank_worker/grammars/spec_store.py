@@ -341,6 +341,24 @@ def read_preload_list(path: str, max_spec_bytes: int) -> tuple[list[tuple[int, A
     return specs, refused
 
 
+def gather(
+    store: SpecStore | None, lists: Iterable[str], max_spec_bytes: int
+) -> tuple[list[Stored], list[str]]:
+    """What a warm start compiles: the store's usable records, most recently
+    used first, then the operator's lists; and a reason per refused one."""
+    specs: list[Stored] = []
+    refused: list[str] = []
+    if store is not None:
+        found, why = store.load()
+        specs += found
+        refused += why
+    for path in lists:
+        listed, why = read_preload_list(path, max_spec_bytes)
+        specs += [Stored(None, spec, 0, f"{path}:{n}") for n, spec in listed]
+        refused += why
+    return specs, refused
+
+
 class SpecStoreThread:
     """The store's disk work, on one low-priority thread, off the engine's step.
 
@@ -429,15 +447,8 @@ class SpecStoreThread:
             self._wake.clear()
 
     def _gather(self) -> list[Stored]:
-        specs: list[Stored] = []
-        if self.store is not None:
-            found, refused = self.store.load()
-            specs.extend(found)
-            self._refuse(refused)
-        for path in self._lists:
-            listed, refused = read_preload_list(path, self._max_spec_bytes)
-            specs.extend(Stored(None, spec, 0, f"{path}:{n}") for n, spec in listed)
-            self._refuse(refused)
+        specs, refused = gather(self.store, self._lists, self._max_spec_bytes)
+        self._refuse(refused)
         return specs
 
     def refuse(self, where: str, why: str) -> None:
