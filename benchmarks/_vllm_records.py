@@ -158,6 +158,15 @@ def _decode_steps(ranks: list[dict], column: int) -> list[float]:
     ]
 
 
+def kernel_autogroup(path: str = "/proc/sys/kernel/sched_autogroup_enabled") -> str:
+    """``"on"``, ``"off"`` or ``"unknown"``: the kernel's session autogroups (CFS group
+    scheduling per session), which the free-core figure depends on."""
+    try:
+        return "on" if Path(path).read_text().strip() == "1" else "off"
+    except OSError:
+        return "unknown"
+
+
 def hol_records(xg: list[dict], gc: list[dict], *, free_core: bool = False) -> list[BenchRecord]:
     """Time until the fast requests finish: gramcoord async vs vLLM's forced-sync compile.
 
@@ -188,7 +197,13 @@ def hol_records(xg: list[dict], gc: list[dict], *, free_core: bool = False) -> l
         f"{slow[0]:.0f} ms (gramcoord) / {slow[1]:.0f} ms (xgrammar); outputs "
         f"{'identical' if agree else 'DIFFERENT'} across ranks"
     )
-    if not free_core:
+    if free_core:
+        note += (
+            f"; kernel autogroup {kernel_autogroup()} (with it on, the two TP ranks that "
+            "spin-wait on CPU 0 stall for seconds while a thread of theirs computes on "
+            "CPU 1: docs/performance.md)"
+        )
+    else:
         note += (
             "; here the slow compile shares both cores with the TP pair's lockstepped "
             "decode, which it slows 2-3x (docs/performance.md: why this figure can stay "

@@ -13,7 +13,13 @@ import json
 import pytest
 
 from gramcoord.benchmarks._all import missing_need
-from gramcoord.benchmarks._vllm_records import HOL_TARGET, PARTS, hol_records, step_records
+from gramcoord.benchmarks._vllm_records import (
+    HOL_TARGET,
+    PARTS,
+    hol_records,
+    kernel_autogroup,
+    step_records,
+)
 from gramcoord.launch.cli import main
 
 no_vllm = pytest.mark.skipif(
@@ -110,6 +116,18 @@ def test_free_core_records_are_named_apart_and_say_where_things_ran() -> None:
     assert decode.name == "vllm_tp2_fast_decode_gramcoord_free_core"
     assert decode.median_ms == 800.0  # max(900 - 100, 1000 - 400)
     assert step.name == "vllm_tp2_fast_decode_step_gramcoord_free_core"
+    # The free-core figure says the kernel setting it depends on; the 2-core one does not.
+    assert f"kernel autogroup {kernel_autogroup()}" in rec.note
+    assert "autogroup" not in hol_records(xg, gc)[0].note
+
+
+def test_kernel_autogroup_reads_the_sysctl(tmp_path) -> None:
+    flag = tmp_path / "sched_autogroup_enabled"
+    flag.write_text("1\n")
+    assert kernel_autogroup(str(flag)) == "on"
+    flag.write_text("0\n")
+    assert kernel_autogroup(str(flag)) == "off"
+    assert kernel_autogroup(str(tmp_path / "absent")) == "unknown"
 
 
 def test_the_tp_mask_digests_cost_is_a_share_of_the_steps_that_digest() -> None:
