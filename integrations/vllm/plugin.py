@@ -59,11 +59,23 @@ INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
         "front-end validation: vLLM's xgrammar rules, then ours (VLLMValidationError, 400)",
     ),
     (
+        "vllm.v1.structured_output.backend_guidance",
+        "validate_guidance_grammar",
+        ("sampling_params", "tokenizer"),
+        "imported by vLLM's validation on the first structured request; a spec store's "
+        "warm start imports it before",
+    ),
+    (
         "vllm.v1.structured_output.backend_lm_format_enforcer",
         "validate_structured_output_request_lm_format_enforcer",
         ("params",),
-        "imported by vLLM's validation on the first structured request; a spec store's "
-        "warm start imports it before",
+        "the same",
+    ),
+    (
+        "vllm.v1.structured_output.backend_outlines",
+        "validate_structured_output_request_outlines",
+        ("params",),
+        "the same",
     ),
     (
         "vllm.v1.structured_output.backend_xgrammar",
@@ -369,6 +381,7 @@ def _wrap_manager() -> None:
         init(self, vllm_config)
         if _store_at_start(vllm_config) is not None:  # stored specs compile from the start
             _build_backend(self)
+            _warm_apply()
 
     @functools.wraps(original)
     def grammar_init(self, request):
@@ -385,7 +398,44 @@ def _wrap_manager() -> None:
     StructuredOutputManager.grammar_init = grammar_init
 
 
-_FIRST_REQUEST_IMPORT = "vllm.v1.structured_output.backend_lm_format_enforcer"
+# What vLLM's validation (``SamplingParams._validate_structured_outputs``)
+# imports on the first structured request of a process, whatever the backend
+# (INTERNALS lists them).
+_FIRST_REQUEST_IMPORTS = (
+    "vllm.v1.structured_output.backend_guidance",
+    "vllm.v1.structured_output.backend_lm_format_enforcer",
+    "vllm.v1.structured_output.backend_outlines",
+)
+
+
+def _import_first_request_modules() -> None:
+    """What vLLM's validation imports on the first structured request (about 30 ms
+    here): a warm start has it imported before."""
+    for name in _FIRST_REQUEST_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def _warm_apply() -> None:
+    """With a spec store, apply one bitmask in the engine's process at start.
+
+    Off the request path, on a thread at nice 19: xgrammar imports its CPU
+    kernel on the first apply, which a restarted server's first structured
+    request would otherwise pay (the worker runs in this process unless
+    vLLM starts worker processes).
+    """
+
+    def run() -> None:
+        import torch
+        import xgrammar as xgr
+
+        from gramcoord.rank_worker.grammars.spec_store import lowest_priority
+
+        lowest_priority()
+        logits = torch.zeros((1, 32), dtype=torch.float32)
+        xgr.apply_token_bitmask_inplace(logits, xgr.allocate_token_bitmask(1, 32))
+
+    threading.Thread(target=run, name="gramcoord-warm-apply", daemon=True).start()
 
 
 def _warm_front_end(vllm_config: Any) -> None:
@@ -406,10 +456,7 @@ def _warm_front_end(vllm_config: Any) -> None:
     vocab = vocab_name(vllm_config)
 
     def run() -> None:
-        # vLLM's validation imports this on the first structured request (about
-        # 25 ms here); a warm start has it imported before.
-        with contextlib.suppress(ImportError):
-            importlib.import_module(_FIRST_REQUEST_IMPORT)
+        _import_first_request_modules()
         from gramcoord.rank_worker.errors import SpecError
         from gramcoord.rank_worker.grammars.spec import validate_spec
         from gramcoord.rank_worker.grammars.spec_store import SpecStore, gather, lowest_priority

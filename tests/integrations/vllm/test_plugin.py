@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -45,3 +48,27 @@ def test_entry_point_is_installed() -> None:
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert names.get("gramcoord") == "gramcoord.integrations.vllm.plugin:register"
+
+
+def test_a_warm_start_imports_what_a_first_structured_request_would() -> None:
+    """With a spec store, the front end imports vLLM's validation modules and the
+    engine applies one bitmask at start, so that a restarted server's first
+    structured request does not import them (a fresh interpreter: nothing of
+    it imported before)."""
+    code = (
+        "import sys, threading\n"
+        "from gramcoord.integrations.vllm import plugin\n"
+        "names = ('xgrammar.kernels.apply_token_bitmask_inplace_cpu', "
+        "*plugin._FIRST_REQUEST_IMPORTS)\n"
+        "assert not [n for n in names if n in sys.modules]\n"
+        "plugin._warm_apply()\n"
+        "plugin._import_first_request_modules()\n"
+        "for t in threading.enumerate():\n"
+        "    if t.name == 'gramcoord-warm-apply': t.join(120)\n"
+        "print(len([n for n in names if n in sys.modules]), len(names))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    got, wanted = out.stdout.split()[-2:]
+    assert got == wanted == "4", out.stdout + out.stderr
