@@ -45,6 +45,32 @@ def test_reput_does_not_double_count():
     assert cache.bytes == 30 and len(cache) == 1
 
 
+class Counted:
+    """A grammar whose size is computed on each read, as xgrammar's is."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.reads = size, 0
+
+    @property
+    def memory_size_bytes(self) -> int:
+        self.reads += 1
+        return self.size
+
+
+def test_refreshing_the_same_grammar_reads_its_size_once():
+    cache = CompileCache(max_bytes=100, max_entries=10)
+    grammar = Counted(30)
+    for _ in range(5):
+        assert cache.put(k(1), grammar)
+    assert grammar.reads == 1 and cache.bytes == 30
+    cache.put(k(2), Blob(10))
+    cache.put(k(1), grammar)  # a refresh is a use: k(2) is now the least recent
+    assert cache.lru_order() == [k(2), k(1)]
+    other = Counted(50)  # another grammar under the same key is sized anew
+    cache.put(k(1), other)
+    assert other.reads == 1 and cache.bytes == 60
+
+
 def test_timeout_poison_expires_at_agreed_time():
     p = PoisonCache(max_entries=10, ttl_ms=1000)
     p.poison(k(1), PoisonKind.TIMEOUT, 21, "slow", now_ms=5000)
