@@ -82,19 +82,20 @@ class CompileCache:
         self._items.move_to_end(key)
         return item[0]
 
-    def put(self, key: bytes, compiled: Any) -> bool:
+    def put(self, key: bytes, compiled: Any, size: int | None = None) -> bool:
         """Insert (or refresh) an entry; returns False if it cannot fit.
 
-        Refreshing the very grammar cached under ``key`` (every cache-hit
-        admission does) only marks it used: xgrammar computes
-        ``memory_size_bytes`` by walking the grammar, about 1 ms for a
-        500-property schema, on the engine's request path.
+        ``size`` is the grammar's ``memory_size_bytes`` where the caller read
+        it already. xgrammar computes it by walking the grammar (about 1 ms
+        for a 500-property schema, on the engine's request path), so
+        refreshing the very grammar cached under ``key`` (every cache-hit
+        admission does) only marks it used.
         """
         old = self._items.get(key)
         if old is not None and old[0] is compiled:
             self._items.move_to_end(key)
             return True
-        size = _size_of(compiled)
+        size = _size_of(compiled) if size is None else size
         if size > self.max_bytes:
             return False
         old = self._items.pop(key, None)

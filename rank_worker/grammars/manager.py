@@ -215,9 +215,9 @@ class GrammarManager:
         self.stats = ManagerStats()
         # Set by follow(): this manager applies decisions made elsewhere.
         self.follow_wait_s: float | None = None
-        # Warm-start compiles held for a request, by key, and every key
-        # admitted here (the store's thread skips those).
-        self._held: dict[bytes, Any] = {}
+        # Warm-start compiles held for a request, by key, with their grammar's
+        # size, and every key admitted here (the store's thread skips those).
+        self._held: dict[bytes, tuple[Any, int]] = {}
         self._held_bytes = 0
         self._held_lock = threading.Lock()
         self._admitted_keys: set[bytes] = set()
@@ -293,7 +293,7 @@ class GrammarManager:
                 if spec.key in self._admitted_keys:  # a request took it meanwhile
                     self.service.release(job)
                     continue
-                self._held[spec.key] = job
+                self._held[spec.key] = (job, size)
                 self._held_bytes += size
             done += 1
         logger.info(
@@ -302,15 +302,22 @@ class GrammarManager:
             len(self.store.refused),
         )
 
-    def _take_held(self, key: bytes) -> None:
-        """A request admitted ``key``: the warm-start hold on its compile ends."""
+    def _take_held(self, key: bytes) -> tuple[Any, int] | None:
+        """A request admitted ``key``: the warm-start hold on its compile ends.
+
+        Returns the held grammar and its size (read once, at the warm
+        compile: xgrammar walks the grammar to size it), or ``None``.
+        """
         with self._held_lock:
             self._admitted_keys.add(key)
-            job = self._held.pop(key, None)
-            if job is not None:
-                self._held_bytes -= getattr(job.result, "memory_size_bytes", 0)
-        if job is not None:
-            self.service.release(job)
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._held_bytes -= held[1]
+        if held is None:
+            return None
+        job, size = held
+        self.service.release(job)
+        return job.result, size
 
     def _take_verdicts(self) -> None:
         """The other engines' verdicts read by the store's thread, applied now (alone only)."""
@@ -559,10 +566,13 @@ class GrammarManager:
             entry.compiled = job.result
             entry.compile_ms = job.compile_ms
             self.service.release(job)
-        self.caches.compiled.put(entry.spec.key, entry.compiled)
+        size = None
         if self.store is not None:
-            self._take_held(entry.spec.key)
+            held = self._take_held(entry.spec.key)
+            if held is not None and held[0] is entry.compiled:
+                size = held[1]
             self.store.used(entry.spec.key, entry.raw)
+        self.caches.compiled.put(entry.spec.key, entry.compiled, size)
         self._running[entry.request_id] = entry
         self.stats.admitted += 1
         return entry.outcome("admitted")

@@ -159,6 +159,40 @@ def test_a_restart_compiles_the_stored_specs_and_their_requests_join_them(
     assert [o.cache for o in _serve(again, SPECS[:1], prefix="s")] == ["hit"]
 
 
+class Sized:
+    """A compiled grammar whose size reads are counted (xgrammar walks the grammar
+    to compute ``memory_size_bytes``)."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled, self.reads = compiled, 0
+
+    @property
+    def memory_size_bytes(self) -> int:
+        self.reads += 1
+        return self.compiled.memory_size_bytes
+
+
+def test_a_warm_grammar_is_sized_once_at_its_compile_not_on_requests(
+    tmp_path, tiny_tokenizer, managers
+):
+    _served_before(tmp_path, tiny_tokenizer, managers, SPECS)
+    made: list[Sized] = []
+    real = Counting(tiny_tokenizer)
+
+    def backend(spec):
+        made.append(Sized(real(spec)))
+        return made[-1]
+
+    again = managers(_config(tmp_path), tiny_tokenizer, backend)
+    assert again.wait_warm(WAIT_S)
+    assert [g.reads for g in made] == [1] * len(SPECS)  # sized for the warm budget
+    outcomes = _serve(again, SPECS) + _serve(again, SPECS, prefix="s")
+    assert [o.cache for o in outcomes] == ["warm"] * len(SPECS) + ["hit"] * len(SPECS)
+    # Neither the first request (it takes the warm compile) nor a cache hit sizes it again.
+    assert [g.reads for g in made] == [1] * len(SPECS)
+    assert again.caches.compiled.bytes == sum(g.compiled.memory_size_bytes for g in made)
+
+
 def test_a_request_joins_a_warm_compile_still_running(tmp_path, tiny_tokenizer, managers):
     first = _served_before(tmp_path, tiny_tokenizer, managers, SPECS[:1])
 
