@@ -70,6 +70,7 @@ from gramcoord.benchmarks._contract import (
 )
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
+from gramcoord.rank_worker.grammars.schema_walk import SUPPORTED_FORMATS
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 
 _counter = itertools.count()
@@ -106,26 +107,6 @@ def _schema(tag: str) -> dict:
 # vLLM's XgrammarBackend compiler.
 VLLM_COMPILER = dict(max_threads=8, cache_enabled=True, cache_limit_bytes=512 << 20)
 
-# String formats xgrammar's JSON-schema converter implements; vLLM rejects
-# any other ``format`` on a string up front.
-_XGR_FORMATS = frozenset(
-    [
-        "email",
-        "date",
-        "time",
-        "date-time",
-        "duration",
-        "ipv4",
-        "ipv6",
-        "hostname",
-        "uuid",
-        "uri",
-        "uri-reference",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-    ]
-)
 _ARRAY_UNSUPPORTED = frozenset({"uniqueItems", "contains", "minContains", "maxContains"})
 
 
@@ -158,7 +139,7 @@ def xgrammar_unsupported(schema: Any) -> bool:
             return True
         if "array" in types and node.keys() & _ARRAY_UNSUPPORTED:
             return True
-        if "string" in types and "format" in node and node["format"] not in _XGR_FORMATS:
+        if "string" in types and "format" in node and node["format"] not in SUPPORTED_FORMATS:
             return True
         if "string" in types and _length_and_pattern(node):
             return True
