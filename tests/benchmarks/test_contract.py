@@ -325,8 +325,10 @@ def test_a_terminated_benchmark_runs_its_cleanup(tmp_path):
             from pathlib import Path
 
             def run(args):
-                Path({str(tmp_path / "started")!r}).write_text("")
                 try:
+                    # Inside the try: the file exists once opened, so the
+                    # signal can land before write_text returns.
+                    Path({str(tmp_path / "started")!r}).write_text("")
                     time.sleep(120)
                 finally:
                     Path({str(tmp_path / "cleaned")!r}).write_text("")
