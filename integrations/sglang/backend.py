@@ -84,20 +84,32 @@ from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
 from gramcoord.rank_worker.session.futures import GrammarFutures
 
-__all__ = ["AgreedFuture", "SglangBackend", "SglangGrammar", "sglang_grammar_config", "sglang_spec"]
+__all__ = [
+    "OPTIONS_ENV",
+    "AgreedFuture",
+    "SglangBackend",
+    "SglangGrammar",
+    "options_from_env",
+    "sglang_grammar_config",
+    "sglang_key",
+    "sglang_spec",
+]
 
 logger = logging.getLogger(__name__)
 
 # SGLang's json_schema value for "any JSON".
 ANY_JSON = "$$ANY$$"
 _TIMED_OUT = "Grammar preprocessing timed out"
+# SGLang's launch has no flag for a backend's options: the server's
+# --grammar-backend gramcoord reads gramcoord's grammar options from this
+# environment variable (a JSON object), which every scheduler process inherits.
+OPTIONS_ENV = "GRAMCOORD_SGLANG_OPTIONS"
 # The end of a refusal of features xgrammar would not enforce, under SGLang:
-# only an embedder's config turns the refusal on, and the same place turns it off.
+# the place that turns the refusal on also turns it off.
 UNENFORCED_HINT = (
-    "Remove these keywords, or build the backend with "
-    "sglang_grammar_config(reject_ignored_features=False) (gramcoord.integrations.sglang.backend), "
-    "as SGLang's --grammar-backend gramcoord does; SGLang's launch has no flag for "
-    "gramcoord's options"
+    "Remove these keywords, or set reject_ignored_features to false "
+    f"({OPTIONS_ENV}, or sglang_grammar_config(reject_ignored_features=False) "
+    "for an embedded backend), as SGLang's --grammar-backend gramcoord does by default"
 )
 
 
@@ -118,6 +130,43 @@ def sglang_grammar_config(**options: Any) -> GrammarConfig:
     return msgspec.convert({**options, "compile_mode": "async"}, GrammarConfig)
 
 
+def options_from_env(environ: Any = os.environ) -> GrammarConfig:
+    """The server's ``GrammarConfig``: ``sglang_grammar_config`` with ``OPTIONS_ENV``'s options.
+
+    ``GRAMCOORD_SGLANG_OPTIONS='{"store": {"dir": "/var/lib/gramcoord"}}'``
+    takes the fields of gramcoord's ``grammar`` section (``docs/configuration.md``);
+    unset or empty, the defaults.
+
+    Raises
+    ------
+    ValueError
+        Not a JSON object, an unknown field, a bad value, or ``compile_mode``
+        (always async under SGLang): SGLang fails the launch with it.
+    """
+    at = f"{OPTIONS_ENV}."  # messages name a field as GRAMCOORD_SGLANG_OPTIONS.store.dir
+    text = environ.get(OPTIONS_ENV, "").strip()
+    if not text:
+        return sglang_grammar_config(options_at=at)
+    try:
+        options = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"{OPTIONS_ENV} is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"{OPTIONS_ENV} must be a JSON object of gramcoord's grammar options, "
+            f"not {type(options).__name__}"
+        )
+    if "compile_mode" in options:
+        raise ValueError(
+            f"{OPTIONS_ENV}: compile_mode cannot be set: compiles are always async under SGLang"
+        )
+    options.setdefault("options_at", at)
+    try:
+        return sglang_grammar_config(**options)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"{OPTIONS_ENV}: {exc}") from None
+
+
 def sglang_spec(key: tuple[str, str]) -> dict[str, Any] | None:
     """The gramcoord spec of SGLang's grammar key, or ``None`` for a kind SGLang refuses."""
     key_type, text = key
@@ -130,6 +179,34 @@ def sglang_spec(key: tuple[str, str]) -> dict[str, Any] | None:
     if key_type == "structural_tag":
         return {"structural_tag": text}
     return None
+
+
+def sglang_key(spec: Any) -> tuple[str, str]:
+    """SGLang's grammar key for a spec mapping: ``sglang_spec``'s inverse.
+
+    The spec store keeps each request's mapping as ``sglang_spec`` made it,
+    so a stored spec compiles from the text its request wrote (an ``ebnf``
+    and a ``full_assistant_ebnf`` key compile alike). An operator's list may
+    give a schema as a JSON value; it compiles from that value's text.
+
+    Raises
+    ------
+    ValueError
+        A mapping that is not one of SGLang's kinds.
+    """
+    if isinstance(spec, dict) and len(spec) == 1:
+        ((kind, value),) = spec.items()
+        if kind == "json_object" and value is True:
+            return ("json", ANY_JSON)
+        if kind in ("json", "structural_tag") and isinstance(value, (dict, bool)):
+            value = msgspec.json.encode(value).decode()
+        if isinstance(value, str) and kind in ("json", "regex", "grammar", "structural_tag"):
+            return ("ebnf" if kind == "grammar" else kind, value)
+    kinds = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
+    raise ValueError(
+        f"not a spec SGLang compiles ({kinds}); it takes one of json, json_object, "
+        "regex, grammar, structural_tag"
+    )
 
 
 class AgreedFuture(Future):
@@ -250,6 +327,9 @@ class SglangBackend(BaseGrammarBackend):
         if compile_hook is not None:
             compile_fn = compile_hook(compile_fn)
         vocab = HostVocabulary(f"sglang:{name}:{vocab_size}")
+        # spec key -> SGLang's key, compiled as SGLang's backend compiles it
+        # (set before the door opens: a spec store's warm start fills it too).
+        self._origin: dict[bytes, tuple[str, str]] = {}
         self.grammars = GrammarFutures.for_host(
             self.config,
             vocab,
@@ -258,9 +338,8 @@ class SglangBackend(BaseGrammarBackend):
             admit=self._admitted,
             refuse=self._refused,
             max_gap=1,
+            on_warm=self._warm_origin,
         )
-        # spec key -> SGLang's key, compiled as SGLang's backend compiles it.
-        self._origin: dict[bytes, tuple[str, str]] = {}
         # request id -> SGLang's key (for the grammar object of an admitted one).
         self._keys: dict[str, tuple[str, str]] = {}
         self._next = 0
@@ -278,6 +357,10 @@ class SglangBackend(BaseGrammarBackend):
         if isinstance(grammar, InvalidGrammarObject):
             raise ValueError(grammar.error_message)
         return grammar.ctx
+
+    def _warm_origin(self, spec: GrammarSpec, stored: Any) -> None:
+        """A stored spec compiles from its request's own text (the spec store's thread)."""
+        self._origin.setdefault(spec.key, sglang_key(stored))
 
     def _from_ctx(
         self, ctx: CompiledGrammar, key: tuple[str, str], hit: bool, check: str | None

@@ -144,14 +144,18 @@ def sync_group() -> Any | None:
 def create_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Any = None):
     """The ``init_func`` SGLang's ``create_grammar_backend`` calls for ``gramcoord``.
 
+    gramcoord's options come from ``GRAMCOORD_SGLANG_OPTIONS``
+    (``backend.options_from_env``): SGLang's launch has no flag for them.
+
     Raises
     ------
     ValueError
-        A setup gramcoord does not support yet (SGLang fails the launch on it).
+        A setup gramcoord does not support yet, or bad options (SGLang fails
+        the launch on it).
     """
     from sglang.srt.runtime_context import get_parallel, get_serving
 
-    from gramcoord.integrations.sglang.backend import SglangBackend
+    from gramcoord.integrations.sglang.backend import SglangBackend, options_from_env
 
     serving = get_serving()
     # create_grammar_backend wraps only its built-in backends in its reasoner
@@ -168,12 +172,14 @@ def create_backend(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_
             "--grammar-backend gramcoord does not support pipeline parallelism "
             "(--pp-size > 1) yet; use --grammar-backend xgrammar there"
         )
+    config = options_from_env()
     return SglangBackend(
         tokenizer,
         vocab_size,
         eos_token_ids,
         any_whitespace=not serving.constrained_json_disable_any_whitespace,
         max_whitespace_cnt=serving.constrained_json_max_whitespace_cnt,
+        config=config,
         group=sync_group(),
     )
 

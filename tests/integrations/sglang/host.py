@@ -22,7 +22,7 @@ from tests.integrations.sglang.torchvision_standin import install
 
 install()
 
-__all__ = ["EOS_IDS", "Host", "host", "publish"]
+__all__ = ["EOS_IDS", "Host", "host", "one_rank_manager", "publish"]
 
 # <|im_end|> and <|endoftext|>: the Qwen2.5 model's EOS ids.
 EOS_IDS = (151645, 151643)
@@ -96,3 +96,28 @@ class SyncGroup:
     world_size: int
     first_rank: int
     is_first_rank: bool
+
+
+def one_rank_manager() -> Any:
+    """SGLang's real ``GrammarManager`` of one rank (no sync group), as a scheduler builds it.
+
+    Its constructor calls ``create_grammar_backend``, which builds our backend
+    through the registry (``gramcoord.integrations.sglang.plugin``).
+    """
+    from types import SimpleNamespace
+
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+
+    h = host()
+    one = SyncGroup(cpu_group=None, world_size=1, first_rank=0, is_first_rank=True)
+    scheduler = SimpleNamespace(
+        server_args=h.server_args,
+        tokenizer=h.tokenizer,
+        model_config=SimpleNamespace(
+            vocab_size=h.vocab_size, hf_eos_token_id=h.eos_token_ids, think_end_ids=None
+        ),
+        dp_tp_cpu_group=None,
+        dp_tp_group=one,
+        pp_group=None,
+    )
+    return GrammarManager(scheduler)

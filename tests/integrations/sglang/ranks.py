@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -139,7 +141,7 @@ def inject(
 
 
 def scenarios(rank: int, world: int) -> dict[str, Any]:
-    """Skew, a failing compile, then mismatched queues (last: it breaks the group)."""
+    """Skew, a failing compile, a warm start, then mismatched queues (last: it breaks the group)."""
     import torch.distributed as dist
 
     s = schemas()
@@ -157,6 +159,23 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
     m = manager(world_group)
     reqs = {0: [Req("b0", s[3]), Req("b1", s[1])], 40: [Req("b2", s[3])]}
     out["fail"] = drive(m, reqs)
+    m.grammar_backend.close()
+
+    # A spec store's warm start (an operator's list, the same on both ranks;
+    # rank 1 compiles slower): each rank holds its start until its own warm
+    # compile is done, then both admit the listed schema from it, and one
+    # that is not listed from a compile of its own, on the same iterations.
+    from gramcoord.integrations.sglang.backend import OPTIONS_ENV
+
+    listed = Path(os.environ["GRAMCOORD_SGLANG_TMP"]) / f"tools-{rank}.jsonl"
+    listed.write_text(json.dumps({"json": s[2]}) + "\n")
+    os.environ[OPTIONS_ENV] = json.dumps({"store": {"preload": [str(listed)], "ready_wait_s": 60}})
+    try:
+        m = manager(world_group)
+    finally:
+        del os.environ[OPTIONS_ENV]
+    out["warm"] = drive(m, {0: [Req("w0", s[2]), Req("w1", s[0])]})
+    out["warm_joined"] = m.grammar_backend.grammars.leader._manager.stats.warm
     m.grammar_backend.close()
 
     # A short timeout: SGLang's own all_gather waits on it once the queues

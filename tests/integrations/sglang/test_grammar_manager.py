@@ -6,6 +6,8 @@
 - a compile that fails on rank 1 only: SGLang alone would abort the request
   on rank 1 and run it on rank 0; here both ranks abort it, with the same
   message, and the key is poisoned on both (a resubmission fails at once);
+- a spec store's warm start (an operator's list, slower on rank 1): the
+  listed schema joins each rank's warm compile, on the same iteration;
 - mismatched queues (rank 0 got a request rank 1 never did): SGLang pairs
   queue positions, so it would hand rank 0's ``c0`` and rank 1's ``c1`` the
   same slot; our fingerprint refuses, every rank fails all its pending
@@ -57,6 +59,17 @@ def test_compile_failing_on_one_rank_fails_everywhere(results) -> None:
     assert got["b0"].startswith("aborted: Failed to compile json grammar: grammar_invalid")
     assert "rank(s) [1]" in got["b0"]
     assert "cached verdict, no compile ran for this request" in got["b2"]
+
+
+def test_a_warm_start_keeps_the_ranks_in_lockstep(results) -> None:
+    a, b = (r["warm"] for r in results)
+    assert a == b
+    assert sorted((rid, what) for _, rid, what in a) == [
+        ("w0", "SglangGrammar"),
+        ("w1", "SglangGrammar"),
+    ]
+    # The listed schema joined each rank's own warm compile.
+    assert [r["warm_joined"] for r in results] == [1, 1]
 
 
 def test_mismatched_queues_never_admit_the_wrong_request(results) -> None:

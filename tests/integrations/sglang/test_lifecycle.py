@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from tests.integrations.sglang.host import host, publish
+from tests.integrations.sglang.host import host, one_rank_manager, publish
 from tests.integrations.sglang.ranks import Req, drive, schemas
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,21 +41,7 @@ def held(monkeypatch):
 
 @pytest.fixture
 def manager():
-    from sglang.srt.constrained.grammar_manager import GrammarManager
-
-    h = host()
-    one = SimpleNamespace(cpu_group=None, world_size=1, first_rank=0, is_first_rank=True)
-    scheduler = SimpleNamespace(
-        server_args=h.server_args,
-        tokenizer=h.tokenizer,
-        model_config=SimpleNamespace(
-            vocab_size=h.vocab_size, hf_eos_token_id=h.eos_token_ids, think_end_ids=None
-        ),
-        dp_tp_cpu_group=None,
-        dp_tp_group=one,
-        pp_group=None,
-    )
-    m = GrammarManager(scheduler)
+    m = one_rank_manager()
     yield m
     m.grammar_backend.close()
 
@@ -98,7 +84,7 @@ def test_our_deadline_fires_while_sglang_polls_done(held, manager) -> None:
     assert log[-1][1:] == (
         "d0",
         "aborted: Failed to compile json grammar: grammar_timeout: "
-        "compile ran past grammar.compile_timeout_s=0.5s "
+        "compile ran past GRAMCOORD_SGLANG_OPTIONS.compile_timeout_s=0.5s "
         "(its own time: waits for a CPU are not counted)",
     )
     assert backend.grammars.num_live == 0
