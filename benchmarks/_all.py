@@ -73,17 +73,13 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 # at load 8-15 (per benchmark: each run's bench_runs.json); each timeout is about
 # twice a benchmark's loaded wall time. A benchmark without a plan runs with
 # its defaults. Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas),
-# jump_forward's tiny-LM rows (32 -> 16 instances), scale's 16-rank world.
+# jump_forward's tiny-LM rows (32 -> 16 instances).
 PLANS: dict[str, Plan] = {
     "agreement": Plan(quick=("--worlds", "2", "--pending", "64", "--repeat", "11"), timeout_s=180),
     "compile": Plan(args=("--schemas", "10"), quick=("--repeat", "5", "--schemas", "8")),
     "fill": Plan(quick=("--batches", "64", "--repeat", "11", "--max-schemas", "40"), timeout_s=120),
     "jump_forward": Plan(
         args=("--hf-schemas", "16"), quick=("--models", "synthetic", "--schemas", "30")
-    ),
-    "scale": Plan(
-        args=("--ranks", "2", "4", "8", "--repeat", "10"),
-        quick=("--ranks", "2", "4", "--pending", "64", "--repeat", "5"),
     ),
     "step": Plan(quick=("--limit", "8", "--rounds", "1")),
     "tp_followers": Plan(quick=("--requests", "8", "--max-tokens", "32"), timeout_s=120),

@@ -1,28 +1,44 @@
-"""Agreement, PP hop and pp_sync cost against SGLang-style baselines, over gloo.
+"""Agreement cost against SGLang's way, as the group grows; PP hop and pp_sync, over gloo.
 
-``gramcoord bench agreement`` (or ``run_bench('agreement', [], out)``) starts
-its own ranks: for each world size it spawns that many ranks through
-``gramcoord.launch.procs``, which build gloo worlds on 127.0.0.1 with a free
-port and measure, side by side in one run:
+``gramcoord bench agreement`` (or ``run_bench('agreement', [], out)``)
+starts its own ranks: for each ``--worlds`` size it spawns that many ranks
+through ``gramcoord.launch.procs``, which build gloo worlds on 127.0.0.1
+with a free port and measure, side by side in one run, for each
+``--pending`` count:
 
 - ``agreement``: one coordinator step of a replicated group (encode, one
-  collective, combine, decide, apply) against SGLang's way: pickled
-  ``all_gather_object`` of the ready/failed index sets, then set
-  intersection/union. With ``pp=2`` both also carry the decision to stage 1
-  (ours: one tensor send; SGLang: ``send_object_list``). Target >= 3x.
-- ``agreement_reduce``: the same step with the fixed-size ``all_reduce(BAND)``
-  report (reported only).
-- ``pp_hop``: round trip of one decision hop plus a 1-element ack, against a
-  1-element gloo ping plus the same ack. Ratio convention: ping / hop, so
-  "hop within 1.5x of a ping" is ratio >= 1/1.5 = 0.667.
-- ``pp_sync_chain``: a pipeline step with the decision sent down the chain,
-  against ``pp_sync: collective`` (every stage leader in one all_gather);
-  both end with the last stage's 1-element ack to stage 0. Reported only.
+  collective, combine, decide, apply) against SGLang's way (``sglang_step``
+  below): pickled ``all_gather_object`` of the ready/failed index sets,
+  then set intersection/union. With ``pp=2`` both also carry the decision
+  to stage 1 (ours: one tensor send; SGLang: ``send_object_list``).
+  Target >= 3x.
+- ``agreement_reduce``: the same step with the fixed-size
+  ``all_reduce(BAND)`` report (reported only).
+- ``..._vs_floor_dp{N}`` (pp=1): each of the three against the bare collective on
+  the same bytes: ``all_to_all_single`` of int64[ranks x gather row] (what
+  ``Runtime.all_gather`` posts), ``all_reduce(BAND)`` of int64[reduce row],
+  and ``all_gather_object`` of a ``bytes`` object as long as the pickled
+  sets (the object path's size exchange and padded byte gather, without
+  building, pickling and combining sets). Ratio = floor / path; reported
+  only. The notes give the bytes one rank sends per step: (ranks - 1) x row
+  for the exchange, the ring estimate 2 (ranks - 1) / ranks x row for the
+  reduce, (ranks - 1) x (8 + pickle) for the object path.
+- ``pp_hop`` (2 ranks): round trip of one decision hop plus a 1-element
+  ack, against a 1-element gloo ping plus the same ack. Ratio convention:
+  ping / hop, so "hop within 1.5x of a ping" is ratio >= 1/1.5 = 0.667.
+- ``pp_sync_chain`` (2 and 4 ranks): a pipeline step with the decision
+  sent down the chain, against ``pp_sync: collective`` (every stage leader
+  in one all_gather); both end with the last stage's 1-element ack to
+  stage 0. Reported only.
 
-Each pending request's local state is fixed: half ready, a quarter pending,
-a quarter failed, and on each DP member a few requests that others see
-ready are still pending or failed there, so the intersection and union
-matter. Every step decides the same non-trivial outcome.
+Worlds of 2 ranks run dp=2 and the hop; of 4, dp=4 and dp=2 x pp=2; larger
+worlds (docs/scaling.md: how the cost grows) only the replicated group.
+
+Each pending request's local state is fixed (``StaticMember``): half ready,
+a quarter pending, a quarter failed, and on each DP member a few requests
+that others see ready are still pending or failed there, so the
+intersection and union matter. Every step decides the same non-trivial
+outcome.
 
 How it is measured, the same way for ours and the baseline:
 
@@ -44,18 +60,97 @@ import datetime
 import functools
 import itertools
 import os
+import pickle
 
-from gramcoord.benchmarks._agreement_sglang import (
-    StaticMember,
-    local_status,
-    sglang_step,
-    shared_status,
-)
 from gramcoord.benchmarks._contract import BenchRecord, interleaved_ms
 from gramcoord.launch.ports import free_port
 from gramcoord.launch.procs import run_procs
 
 CHILD_TIMEOUT_S = 600
+# The paths of the replicated group's step timed against their floor (pp=1):
+# contender -> (its record's name, the floor's).
+FLOORS = {
+    "all_gather": ("agreement_gather", "floor_all_to_all_single"),
+    "all_reduce": ("agreement_reduce", "floor_all_reduce_band"),
+    "base": ("sglang_object", "floor_all_gather_object_bytes"),
+}
+
+
+# -- the pending windows, and SGLang's way of agreeing on them ---------------------
+
+
+class StaticMember:
+    """A member whose pending window never changes: steady-state steps."""
+
+    def __init__(self, status) -> None:
+        self.status = status
+
+    def local_status(self):
+        return self.status
+
+    def apply_decision(self, decision):
+        return decision
+
+    def new_failures(self):
+        return []
+
+    def apply_poison(self, records):
+        return None
+
+
+def shared_status(pending: int):
+    from gramcoord.coordinator.status import LocalStatus, PendingState
+
+    states = [
+        (PendingState.READY, PendingState.READY, PendingState.PENDING, PendingState.FAILED)[i % 4]
+        for i in range(pending)
+    ]
+    reasons = [21 if s == PendingState.FAILED else 0 for s in states]
+    return LocalStatus(
+        seqs=tuple(range(1000, 1000 + pending)), states=tuple(states), reasons=tuple(reasons)
+    )
+
+
+def local_status(pending: int, member: int, members: int):
+    """``shared_status`` with a few requests of this DP member still pending or failed."""
+    from gramcoord.coordinator.status import LocalStatus, PendingState
+
+    base = shared_status(pending)
+    states, reasons = list(base.states), list(base.reasons)
+    for i in range(pending):
+        if i % (4 * members) == 4 * member:  # ready elsewhere, still pending here
+            states[i] = PendingState.PENDING
+        elif i % (4 * members) == 4 * member + 1:  # ready elsewhere, failed here
+            states[i], reasons[i] = PendingState.FAILED, 30 + member % 30
+    return LocalStatus(seqs=base.seqs, states=tuple(states), reasons=tuple(reasons))
+
+
+def sglang_step(status, group, chain_group, chain_peer, is_sender, world):
+    """SGLang-style: pickled index sets gathered, then pickled objects down the chain.
+
+    Returns the decided ``(ready, failed)`` index sets; a later stage returns
+    the ones it received.
+    """
+    import torch.distributed as dist
+
+    from gramcoord.coordinator.status import PendingState
+
+    if chain_group is not None and not is_sender:
+        got = [None]
+        dist.recv_object_list(got, src=chain_peer, group=chain_group)
+        ready, failed = got[0]
+        return set(ready), set(failed)
+    ready = {i for i, s in enumerate(status.states) if s == PendingState.READY}
+    failed = {i for i, s in enumerate(status.states) if s == PendingState.FAILED}
+    if group is not None:
+        out = [None] * world
+        dist.all_gather_object(out, (ready, failed), group=group)
+        ready = set.intersection(*(r for r, _ in out))
+        failed = set.union(*(f for _, f in out))
+        ready -= failed
+    if chain_group is not None:
+        dist.send_object_list([(sorted(ready), sorted(failed))], dst=chain_peer, group=chain_group)
+    return ready, failed
 
 
 # -- every rank (``child``) ------------------------------------------------------
@@ -99,7 +194,8 @@ def _measure(rank: int, where: str, fns: dict, decisions, repeat: int) -> dict[s
 
 
 def _layout_rows(rank, args, dp, pp):
-    """Our step (gather, and reduce when pp=1) vs the SGLang-style step, dp x pp replicated."""
+    """Our step (gather, and reduce when pp=1) vs the SGLang-style step, dp x pp replicated;
+    with pp=1 each of the three also against its floor (``_floors``)."""
     import torch.distributed as dist
 
     from gramcoord.coordinator.config import DistributedConfig
@@ -150,17 +246,33 @@ def _layout_rows(rank, args, dp, pp):
                 )
                 return got
 
-            times = _measure(rank, f"{name}, {pending} pending", fns, decisions, args.repeat)
+            floors, wire = (
+                _floors(status, dp, pending, runtime, base_group) if pp == 1 else ({}, {})
+            )
+            where = f"{name}, {pending} pending"
+            times = _measure(rank, where, {**fns, **floors}, decisions, args.repeat)
             rows.append(
                 dict(name=name, ours=times["all_gather"], base=times["base"], pending=pending)
             )
-            if "all_reduce" in times:
+            if pp > 1:
+                continue
+            rows.append(
+                dict(
+                    name=f"agreement_reduce_dp{dp}_pp{pp}",
+                    ours=times["all_reduce"],
+                    base=times["base"],
+                    gather=times["all_gather"],
+                    pending=pending,
+                )
+            )
+            for path, (label, _) in FLOORS.items():
                 rows.append(
                     dict(
-                        name=f"agreement_reduce_dp{dp}_pp{pp}",
-                        ours=times["all_reduce"],
-                        base=times["base"],
-                        gather=times["all_gather"],
+                        name=f"{label}_vs_floor_dp{dp}",
+                        path=path,
+                        ours=times[path],
+                        base=times[f"{path}_floor"],
+                        bytes=wire[path],
                         pending=pending,
                     )
                 )
@@ -168,6 +280,42 @@ def _layout_rows(rank, args, dp, pp):
         for g in [*chains, base_group]:
             dist.destroy_process_group(g)
     return rows
+
+
+def _floors(status, world, pending, runtime, base_group) -> tuple[dict, dict[str, int]]:
+    """The bare collective of each path on the same bytes (module docstring), and the
+    bytes one rank sends per step on each path."""
+    import torch
+    import torch.distributed as dist
+
+    from gramcoord.coordinator.pending_report import CODECS
+    from gramcoord.coordinator.status import PendingState
+
+    pg = runtime.process_group("agreement")
+    gather, reduce = CODECS["all_gather"](pending).size, CODECS["all_reduce"](pending).size
+    sent = torch.zeros(world * gather, dtype=torch.int64)
+    received = torch.empty_like(sent)
+    band = torch.full((reduce,), -1, dtype=torch.int64)
+    sets = tuple(
+        {i for i, s in enumerate(status.states) if s == state}
+        for state in (PendingState.READY, PendingState.FAILED)
+    )
+    blob = b"x" * len(pickle.dumps(sets))
+    floors = {
+        "all_gather_floor": functools.partial(dist.all_to_all_single, received, sent, group=pg),
+        "all_reduce_floor": functools.partial(
+            dist.all_reduce, band, op=dist.ReduceOp.BAND, group=pg
+        ),
+        "base_floor": functools.partial(
+            dist.all_gather_object, [None] * world, blob, group=base_group
+        ),
+    }
+    wire = {
+        "all_gather": (world - 1) * gather * 8,
+        "all_reduce": round(2 * (world - 1) / world * reduce * 8),
+        "base": (world - 1) * (8 + len(blob)),
+    }
+    return floors, wire
 
 
 def _hop_rows(rank, args):
@@ -284,13 +432,11 @@ def child(rank: int, world: int, args) -> list[dict]:
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rows = _layout_rows(rank, args, dp=world, pp=1)
     if world == 2:
-        rows = _layout_rows(rank, args, dp=2, pp=1) + _hop_rows(rank, args)
-    else:
-        rows = _layout_rows(rank, args, dp=world, pp=1) + _layout_rows(
-            rank, args, dp=world // 2, pp=2
-        )
-    rows += _pp_sync_rows(rank, world, args)
+        rows += _hop_rows(rank, args) + _pp_sync_rows(rank, world, args)
+    elif world == 4:
+        rows += _layout_rows(rank, args, dp=2, pp=2) + _pp_sync_rows(rank, world, args)
     dist.barrier()
     dist.destroy_process_group()
     return rows
@@ -318,16 +464,15 @@ def _slowest(per_rank: list[list[dict]]) -> list[dict]:
     for rows in zip(*per_rank, strict=True):
         assert len({(r["name"], r["pending"]) for r in rows}) == 1, "ranks measured different rows"
         row = dict(rows[0])
-        for key in ("ours", "base", "gather"):
-            if key in row:
-                row[key] = max(r[key] for r in rows)
+        for key in row.keys() - {"name", "path", "pending"}:  # timings; a floor row's bytes
+            row[key] = max(r[key] for r in rows)
         merged.append(row)
     return merged
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="gramcoord bench agreement")
-    ap.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    ap.add_argument("--worlds", default="2,4,8", help="comma-separated world sizes")
     ap.add_argument("--pending", default="64,512", help="comma-separated pending counts")
     ap.add_argument("--repeat", type=int, default=41)
     args = ap.parse_args(argv)
@@ -338,7 +483,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _record(row: dict, world: int) -> BenchRecord:
     name, pending = row["name"], row["pending"]
-    where = f"{world} ranks, {pending} pending (window = pending); slowest rank's median"
+    cores = os.cpu_count() or 1
+    where = (
+        f"{world} ranks{' (oversubscribed)' if world > cores else ''}, {pending} pending "
+        "(window = pending); slowest rank's median"
+    )
+    if "path" in row:
+        return BenchRecord.compare(
+            name,
+            FLOORS[row["path"]][1],
+            row["ours"],
+            row["base"],
+            note=f"{where}; bytes per rank per step: {row['bytes']}; ratio = floor / path "
+            "(1 = no overhead)",
+        )
     if name.startswith("agreement_reduce"):
         return BenchRecord.compare(
             name,

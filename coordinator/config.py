@@ -69,10 +69,11 @@ class DistributedConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # (reason codes limited to 1..63).
     agreement_op: Literal["all_gather", "all_reduce"] = "all_gather"
     # Group size from which agreement_op all_gather is replaced by all_reduce.
-    # `gramcoord bench scale` (gloo, loopback, 2 cores) found no crossover
-    # up to 64 ranks: the one-round exchange stayed 1.4-3.8x faster than the
-    # ring all_reduce at 64 and 512 pending, so the switch sits past the
-    # measured range. Re-measure on real hosts before lowering it.
+    # `gramcoord bench scale` (now part of `bench agreement`; gloo, loopback,
+    # 2 cores) found no crossover up to 64 ranks: the one-round exchange
+    # stayed 1.4-3.8x faster than the ring all_reduce at 64 and 512 pending,
+    # so the switch sits past the measured range. Re-measure on real hosts
+    # before lowering it.
     agreement_reduce_from: PosInt = 128
     # "flat": every member of an agreement group in one collective. "host":
     # two levels, for groups that span hosts (grouped by hostname): members

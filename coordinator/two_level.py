@@ -16,8 +16,8 @@ and decides exactly as it does flat, and every decision is identical.
 
 Why: the flat exchange sends ``members x (members - 1)`` messages per step,
 most of them across hosts; two levels send ``2 (members - hosts)`` inside
-hosts plus ``hosts x (hosts - 1)`` across, for two extra rounds. ``gramcoord
-bench scale --hosts H`` measures both (docs/scaling.md).
+hosts plus ``hosts x (hosts - 1)`` across, for two extra rounds. What that
+cost on simulated hosts is in docs/scaling.md.
 
 Failures: each round is one runtime call with its own deadline, so every
 survivor still raises ``PeerLostError`` within the step timeout. Only the

@@ -110,13 +110,13 @@ def test_the_console_table_fits_the_width_and_the_verdict_counts_targets(width):
         _record(name="x" * 80, baseline="shm_ring_inplace_vs_vllm_queue" * 2, note=long_note),
         _record(name="met", target=1.5, met=True, bench="fill", note="short"),
         _record(name="missed", target=3.0, met=False, bench="fill"),
-        BenchRecord.failed("scale", "timed out after 240 s " + "x" * 500),
+        BenchRecord.failed("agreement", "timed out after 240 s " + "x" * 500),
     ]
     text = format_table(records, width)
     lines = text.splitlines()
     assert len(lines) == 2 + len(records)
     assert max(len(ln) for ln in lines) <= width, text
-    assert "fill: met" in text and "scale: ERROR" in text
+    assert "fill: met" in text and "agreement: ERROR" in text
     # Notes take what the other columns leave: none at 60 columns.
     assert ("note" in lines[0]) == (width == 200)
     if width == 200:

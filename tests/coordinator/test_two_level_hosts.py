@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from gramcoord.benchmarks.simulated_hosts import available
 from gramcoord.launch.cli import main
 from gramcoord.launch.run import compare_runs
 from tests.launch.multihost import torchrun_on_hosts
-from tests.simulated_hosts import SimulatedHosts
+from tests.simulated_hosts import SimulatedHosts, available
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")

@@ -80,10 +80,9 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-from gramcoord.benchmarks.simulated_hosts import available  # noqa: E402
 from tests import load  # noqa: E402
 from tests.launch.e2e_support import aborts  # noqa: E402
-from tests.simulated_hosts import SimulatedHosts  # noqa: E402
+from tests.simulated_hosts import SimulatedHosts, available  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

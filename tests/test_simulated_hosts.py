@@ -7,9 +7,8 @@ import sys
 
 import pytest
 
-from gramcoord.benchmarks.simulated_hosts import NETNS_ETC, PREFIX, available
 from tests.load import scaled
-from tests.simulated_hosts import SimulatedHosts
+from tests.simulated_hosts import NETNS_ETC, PREFIX, SimulatedHosts, available
 
 OK, WHY = available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY or "simulated hosts unavailable")
