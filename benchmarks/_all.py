@@ -82,7 +82,6 @@ PLANS: dict[str, Plan] = {
         args=("--hf-schemas", "16"), quick=("--models", "synthetic", "--schemas", "30")
     ),
     "step": Plan(quick=("--limit", "8", "--rounds", "1")),
-    "tp_followers": Plan(quick=("--requests", "8", "--max-tokens", "32"), timeout_s=120),
     "transport": Plan(quick=("--iters", "50", "--warmup", "5", "--rounds", "1")),
     # Four real vLLM engines (two in-process, two TP=2 pairs): about 5 min.
     "vllm": Plan(quick=("--quick",), timeout_s=600),

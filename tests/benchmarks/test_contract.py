@@ -38,7 +38,7 @@ from gramcoord.benchmarks._contract import (
 from gramcoord.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = {"agreement", "compile", "fill", "tp_followers", "transport"}
+SHIPPED = {"agreement", "compile", "fill", "step", "transport"}
 
 
 @pytest.fixture

@@ -271,7 +271,7 @@ def test_bench_runs_from_the_installed_package(installed, tmp_path):
         "print(load('transport').__file__);"
         "print(installed_data_dir());"
         "print(package_dir('gramcoord.configs', 'local.yaml') / 'local.yaml');"
-        "print(load('tp_followers').WORKLOAD);"
+        "print(load('journal').WORKLOAD);"
         "print(','.join(available()))"
     )
     run = _run_installed(installed, tmp_path, "-c", code)
@@ -283,7 +283,7 @@ def test_bench_runs_from_the_installed_package(installed, tmp_path):
     assert Path(config) == pkg / "configs" / "local.yaml"
     # A benchmark that finds the workload beside itself finds the installed one.
     assert Path(workload).resolve() == (pkg / "configs" / "workload.jsonl").resolve()
-    assert {"agreement", "compile", "fill", "tp_followers", "transport"} <= set(names.split(","))
+    assert {"agreement", "compile", "fill", "journal", "transport"} <= set(names.split(","))
     out = tmp_path / "out"
     argv = ["-m", "gramcoord.launch.cli", "bench", "transport", "--out", str(out)]
     tiny = ["--iters", "3", "--warmup", "1", "--rounds", "1", "--rows", "8"]
