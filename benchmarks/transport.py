@@ -2,7 +2,7 @@
 
 For each shape (``[64, 4748]`` and ``[256, 4748]`` int32 by default; 4748 =
 ceil(151936 / 32), the Qwen2.5 lm_head) it measures, with a sender (this
-process, or gloo rank 0) and a receiver in another process:
+process) and a receiver in another process:
 
 - ``shm_ring``: ``BitmaskChannel.publish`` (copy into the ring slot, one
   ``BitmaskReady`` over ipc) until ``BitmaskReceiver.receive`` returns the
@@ -21,18 +21,13 @@ process, or gloo rank 0) and a receiver in another process:
   array as a view of the chunk (no copy). See ``benchmarks/vllm_shm_queue.py``;
 - ``pickled_zmq``: ``pickle.dumps`` of the array, in band, over a zmq ipc
   socket, then ``pickle.loads`` (what a plain pickling queue does);
-- ``raw_zmq_ipc`` / ``raw_zmq_tcp``: the array's bytes as one zmq frame
-  (``copy=False``), viewed with ``numpy.frombuffer``; tcp on 127.0.0.1 is
-  the cross-node fallback path;
-- ``gloo_broadcast``: ``torch.distributed.broadcast`` over gloo, 2 ranks on
-  127.0.0.1;
 - ``memcpy``: ``numpy.copyto`` in this process, the physical reference.
 
 One-way latency is ``t_received - t_sent`` from ``time.perf_counter_ns``,
 which is CLOCK_MONOTONIC on Linux and so comparable across processes of one
 host. Before each timed send the sender waits, untimed, until the receiver
-is idle again (the ring drained, the queue's read flags set, a zmq ack, a
-gloo barrier), so no sample includes queueing. Each method takes its
+is idle again (the ring drained, the queue's read flags set, a zmq ack),
+so no sample includes queueing. Each method takes its
 samples in ``--rounds`` rounds, the methods in turn within a round, so that
 load changes on a shared machine hit all of them alike; every figure is the
 median of the ``--iters`` samples pooled over the rounds, all taken in this
@@ -62,21 +57,12 @@ import numpy as np
 
 from gramcoord.benchmarks._contract import BenchRecord
 from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue, QueueHandle
-from gramcoord.launch.ports import free_port
 from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig
 
 WIDTH = 4748  # ceil(151936 / 32)
 VOCAB = WIDTH * 32
 CHILD_TIMEOUT_S = 300
-METHODS = (
-    "shm_ring",
-    "shm_ring_inplace",
-    "vllm_shm_broadcast",
-    "raw_zmq_ipc",
-    "raw_zmq_tcp",
-    "pickled_zmq",
-    "gloo_broadcast",
-)
+METHODS = ("shm_ring", "shm_ring_inplace", "vllm_shm_broadcast", "pickled_zmq")
 # What each baseline row asks of the ring (None: reported only).
 TARGETS = {"vllm_shm_broadcast": 2.0, "pickled_zmq": 5.0}
 
@@ -119,7 +105,7 @@ def _receive_vllm(handle_b64: str, count: int) -> list[int]:
     return stamps
 
 
-def _receive_zmq(endpoint: str, count: int, pickled: bool) -> list[int]:
+def _receive_pickled(endpoint: str, count: int) -> list[int]:
     import zmq
 
     ctx = zmq.Context()
@@ -127,38 +113,12 @@ def _receive_zmq(endpoint: str, count: int, pickled: bool) -> list[int]:
     sock.connect(endpoint)
     stamps = []
     for _ in range(count):
-        if pickled:
-            array = pickle.loads(sock.recv())
-        else:
-            frame = sock.recv(copy=False)
-            array = np.frombuffer(frame.buffer, dtype=np.int32).reshape(-1, WIDTH)
+        array = pickle.loads(sock.recv())
         stamps.append(time.perf_counter_ns())
         assert array.shape[1] == WIDTH
         sock.send(b"")
     sock.close(linger=0)
     ctx.term()
-    return stamps
-
-
-def _gloo_rank(rank: int, port: int, rows: int, count: int) -> list[int]:
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    tensor = (
-        torch.from_numpy(_mask(rows))
-        if rank == 0
-        else torch.empty((rows, WIDTH), dtype=torch.int32)
-    )
-    stamps = []
-    for _ in range(count):
-        dist.barrier()
-        if rank == 0:
-            stamps.append(time.perf_counter_ns())
-        dist.broadcast(tensor, src=0)
-        if rank == 1:
-            stamps.append(time.perf_counter_ns())
-    dist.destroy_process_group()
     return stamps
 
 
@@ -168,10 +128,8 @@ def _child_main(argv: list[str]) -> None:
         stamps = _receive_ring(rest[0], int(rest[1]))
     elif role == "vllm":
         stamps = _receive_vllm(rest[0], int(rest[1]))
-    elif role in ("pickled", "raw"):
-        stamps = _receive_zmq(rest[0], int(rest[1]), pickled=role == "pickled")
     else:
-        stamps = _gloo_rank(int(rest[0]), int(rest[1]), int(rest[2]), int(rest[3]))
+        stamps = _receive_pickled(rest[0], int(rest[1]))
     sys.stdout.write(msgspec.json.encode(stamps).decode() + "\n")
 
 
@@ -240,7 +198,7 @@ def _vllm(array: np.ndarray, iters: int, warmup: int) -> list[float]:
         return _one_way_ms(sent, _stamps(proc), warmup)
 
 
-def _zmq(array: np.ndarray, iters: int, warmup: int, *, pickled: bool, tcp: bool) -> list[float]:
+def _pickled_zmq(array: np.ndarray, iters: int, warmup: int) -> list[float]:
     import zmq
 
     count = iters + warmup
@@ -248,33 +206,20 @@ def _zmq(array: np.ndarray, iters: int, warmup: int, *, pickled: bool, tcp: bool
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     try:
-        sock.bind("tcp://127.0.0.1:*" if tcp else f"ipc://{tmp}/s")
-        proc = _spawn(
-            "pickled" if pickled else "raw", sock.getsockopt_string(zmq.LAST_ENDPOINT), count
-        )
+        sock.bind(f"ipc://{tmp}/s")
+        proc = _spawn("pickled", sock.getsockopt_string(zmq.LAST_ENDPOINT), count)
         sent = []
         for i in range(count):
             if i:
                 sock.recv()  # untimed: the receiver's ack
             sent.append(time.perf_counter_ns())
-            if pickled:
-                sock.send(pickle.dumps(array, protocol=pickle.HIGHEST_PROTOCOL))
-            else:
-                sock.send(array, copy=False)
+            sock.send(pickle.dumps(array, protocol=pickle.HIGHEST_PROTOCOL))
         sock.recv()
         return _one_way_ms(sent, _stamps(proc), warmup)
     finally:
         sock.close(linger=0)
         ctx.term()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _gloo(array: np.ndarray, iters: int, warmup: int) -> list[float]:
-    count = iters + warmup
-    port = free_port()  # gloo needs the port up front
-    ranks = [_spawn("gloo", rank, port, array.shape[0], count) for rank in (0, 1)]
-    sent, received = (_stamps(p) for p in ranks)
-    return _one_way_ms(sent, received, warmup)
 
 
 def _memcpy(array: np.ndarray, dst: np.ndarray, iters: int, warmup: int) -> list[float]:
@@ -296,9 +241,7 @@ def _measure(method: str, array: np.ndarray, iters: int, warmup: int) -> list[fl
         return _shm_ring(array, iters, warmup, inplace=True)
     if method == "vllm_shm_broadcast":
         return _vllm(array, iters, warmup)
-    if method == "gloo_broadcast":
-        return _gloo(array, iters, warmup)
-    return _zmq(array, iters, warmup, pickled=method == "pickled_zmq", tcp=method == "raw_zmq_tcp")
+    return _pickled_zmq(array, iters, warmup)
 
 
 def run(args: list[str]) -> list[BenchRecord]:
