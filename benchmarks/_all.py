@@ -72,15 +72,12 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 # The full plans took 166 s on the shared 2-core machine when quiet and 499 s
 # at load 8-15 (per benchmark: each run's bench_runs.json); each timeout is about
 # twice a benchmark's loaded wall time. A benchmark without a plan runs with
-# its defaults. Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas),
-# jump_forward's tiny-LM rows (32 -> 16 instances).
+# its defaults. Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas).
 PLANS: dict[str, Plan] = {
     "agreement": Plan(quick=("--worlds", "2", "--pending", "64", "--repeat", "11"), timeout_s=180),
     "compile": Plan(args=("--schemas", "10"), quick=("--repeat", "5", "--schemas", "8")),
     "fill": Plan(quick=("--batches", "64", "--repeat", "11", "--max-schemas", "40"), timeout_s=120),
-    "jump_forward": Plan(
-        args=("--hf-schemas", "16"), quick=("--models", "synthetic", "--schemas", "30")
-    ),
+    "jump_forward": Plan(quick=("--schemas", "30")),
     "step": Plan(quick=("--limit", "8", "--rounds", "1")),
     "transport": Plan(quick=("--iters", "50", "--warmup", "5", "--rounds", "1")),
     # Four real vLLM engines (two in-process, two TP=2 pairs): about 5 min.

@@ -1,30 +1,25 @@
-"""Jump-forward: model steps saved, and outputs kept, per model and whitespace mode.
+"""Jump-forward: model steps saved, and outputs kept, per whitespace mode.
 
 ``gramcoord bench jump_forward`` decodes dev instances greedily, one request
 at a time (``GreedyDecoder``, K = 0), once without jump-forward and once with
 it in the default mode (``GrammarConfig().jump_forward_mode``, ``exact``),
-for ``any_whitespace`` false and true (true is the default), with two
-logits sources:
+for ``any_whitespace`` false and true (true is the default), with
+``SyntheticModel`` following each schema's valid instance. Its choice
+depends only on the text so far, so exact mode must keep every output
+(``gramcoord.rank_worker.masks.jump_forward``). What jump-forward does to a
+token-conditioned model's outputs is measured by
+``tests/rank_worker/masks/test_jump_identity.py`` (docs/jump-forward.md).
 
-- ``synthetic``: ``SyntheticModel`` following each schema's valid instance.
-  Its choice depends only on the text so far, so exact mode must keep every
-  output (``gramcoord.rank_worker.masks.jump_forward``).
-- ``hf``: the random-weight tiny Qwen2 (``build_tiny_qwen2``) on prompt +
-  output token ids, as a real LM is conditioned. Jump-forward hands it the
-  tokenizer's split of the forced text, which may not be the split it would
-  have chosen, so nothing guarantees its outputs; this measures them.
+Rows ``jump_forward_steps_synthetic_ws{0,1}`` against ``no_jump_forward``:
+the "ms" columns hold *model steps* summed over the instances, so the ratio
+is steps without / steps with (1.333 = 25% fewer). The note gives the share
+of outputs whose text is identical to the run without jump-forward (over
+all runs, and over those that stopped before ``max_tokens`` without it) and
+how many runs ended on ``max_tokens``. Target: >= 25% fewer steps with
+``any_whitespace: false``; the other row reports only.
 
-Rows ``jump_forward_steps_{model}_ws{0,1}`` against ``no_jump_forward``: the
-"ms" columns hold *model steps* summed over the instances, so the ratio is
-steps without / steps with (1.333 = 25% fewer). The note gives the share of
-outputs whose text is identical to the run without jump-forward (over all
-runs, and over those that stopped before ``max_tokens`` without it) and how
-many runs ended on ``max_tokens``. Target: >= 25% fewer
-steps with the synthetic model and ``any_whitespace: false``; the other rows
-report only.
-
-Usage: ``gramcoord bench jump_forward [--out DIR] [-- --hf-schemas N]``.
-With the defaults it takes about a minute on an idle 2-core machine.
+Usage: ``gramcoord bench jump_forward [--out DIR] [-- --schemas N]``.
+With the defaults it takes about half a minute on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -40,23 +35,15 @@ import xgrammar as xgr
 
 from gramcoord.benchmarks._contract import BenchRecord, add_data_arg, dev_labelled
 from gramcoord.engine.decoder import GreedyDecoder
-from gramcoord.engine.models import (
-    HFModel,
-    LogitsSource,
-    ModelRequest,
-    SyntheticModel,
-    build_tiny_qwen2,
-)
+from gramcoord.engine.models import LogitsSource, ModelRequest, SyntheticModel
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
 from gramcoord.rank_worker.masks.grammar_state import GrammarState
 from gramcoord.rank_worker.masks.jump_forward import JumpForward
 
-MODELS = ("synthetic", "hf")
-
 
 class Tally(msgspec.Struct, kw_only=True):
-    """One model and whitespace mode: every instance decoded both ways."""
+    """One whitespace mode: every instance decoded both ways."""
 
     num_runs: int = 0
     steps_off: int = 0
@@ -77,11 +64,8 @@ class Tally(msgspec.Struct, kw_only=True):
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gramcoord bench jump_forward")
     add_data_arg(p, max_label_ms=60.0)
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--schemas", type=int, default=120, help="dev instances, synthetic model")
-    p.add_argument("--hf-schemas", type=int, default=32, help="dev instances, hf model")
-    p.add_argument("--max-tokens", type=int, default=1024, help="output limit, synthetic model")
-    p.add_argument("--hf-max-tokens", type=int, default=128, help="output limit, hf model")
+    p.add_argument("--schemas", type=int, default=120, help="dev instances")
+    p.add_argument("--max-tokens", type=int, default=1024, help="output limit")
     args = p.parse_args(argv)
     return args
 
@@ -119,19 +103,9 @@ def usable_instances(
     return out
 
 
-def _request(tokenizer: Tokenizer, kind: str, sid: str, reference: str) -> ModelRequest:
-    if kind == "synthetic":
-        return ModelRequest(sid, reference=reference)
-    # The LM follows no reference; a prompt naming the schema makes each
-    # request's context its own.
-    prompt = tokenizer.encode(f"Reply with one JSON value for schema {sid}.\n")
-    return ModelRequest(sid, prompt_ids=tuple(prompt))
-
-
 def measure(
     tokenizer: Tokenizer,
     model: LogitsSource,
-    kind: str,
     instances: list[tuple],
     *,
     max_tokens: int,
@@ -143,14 +117,14 @@ def measure(
     jumped = GreedyDecoder(tokenizer, max_tokens=max_tokens, jump_forward=jump)
     tally = Tally()
     t0 = time.perf_counter()
-    # One intra-op thread: the tiny model's kernels are too small to split,
-    # and two threads on a busy 2-core machine made each step 4-10x slower.
+    # One intra-op thread: one row's logits are too small to split, and two
+    # threads on a busy 2-core machine made each step several times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         runs = []
         for sid, compiled, text in instances:
-            request = _request(tokenizer, kind, sid, text)
+            request = ModelRequest(sid, reference=text)
             runs.append(
                 (
                     plain.decode(GrammarState(compiled), model, request),
@@ -175,7 +149,7 @@ def measure(
     return tally
 
 
-def _record(kind: str, any_whitespace: bool, max_tokens: int, t: Tally) -> BenchRecord:
+def _record(any_whitespace: bool, max_tokens: int, t: Tally) -> BenchRecord:
     saved = 1 - t.steps_on / t.steps_off
     note = (
         f"model steps, not ms: {t.steps_on} with vs {t.steps_off} without ({saved:.1%} fewer); "
@@ -186,11 +160,11 @@ def _record(kind: str, any_whitespace: bool, max_tokens: int, t: Tally) -> Bench
         f"{t.length_off} without, {t.length_on} with; {t.num_jumps} jumps; {t.seconds:.0f} s"
     )
     return BenchRecord.compare(
-        f"jump_forward_steps_{kind}_ws{int(any_whitespace)}",
+        f"jump_forward_steps_synthetic_ws{int(any_whitespace)}",
         "no_jump_forward",
         float(t.steps_on),
         float(t.steps_off),
-        target=round(1 / 0.75, 3) if kind == "synthetic" and not any_whitespace else None,
+        target=None if any_whitespace else round(1 / 0.75, 3),
         note=note,
     )
 
@@ -199,26 +173,17 @@ def run(args: list[str]) -> list[BenchRecord]:
     a = _args(args)
     tokenizer = load_tokenizer()
     records_in = dev_records(a)
-    limit = max(a.schemas if "synthetic" in a.models else 0, a.hf_schemas)
     t0 = time.perf_counter()
-    usable = {ws: usable_instances(tokenizer, records_in, ws, limit) for ws in (False, True)}
+    usable = {ws: usable_instances(tokenizer, records_in, ws, a.schemas) for ws in (False, True)}
     print(
         f"bench jump_forward: {len(usable[False])} + {len(usable[True])} usable dev instances "
         f"compiled in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
+    model = SyntheticModel(tokenizer)
     records = []
-    for kind in a.models:
-        if kind == "synthetic":
-            model: LogitsSource = SyntheticModel(tokenizer)
-            count, max_tokens = a.schemas, a.max_tokens
-        else:
-            model = HFModel(
-                build_tiny_qwen2(vocab_size=tokenizer.vocab_size), vocab_size=tokenizer.vocab_size
-            )
-            count, max_tokens = a.hf_schemas, a.hf_max_tokens
-        for ws in (False, True):
-            tally = measure(tokenizer, model, kind, usable[ws][:count], max_tokens=max_tokens)
-            print(f"bench jump_forward: {kind} ws{int(ws)} took {tally.seconds} s", file=sys.stderr)
-            records.append(_record(kind, ws, max_tokens, tally))
+    for ws in (False, True):
+        tally = measure(tokenizer, model, usable[ws], max_tokens=a.max_tokens)
+        print(f"bench jump_forward: ws{int(ws)} took {tally.seconds} s", file=sys.stderr)
+        records.append(_record(ws, a.max_tokens, tally))
     return records
