@@ -3,11 +3,14 @@
 ``create_grammar_backend`` builds ``SglangBackend`` through the registry
 (``plugin.register``). The vocabulary, stop ids, whitespace options and
 compile calls are SGLang's own: an ``XGrammarGrammarBackend`` inside
-supplies the tokenizer info and compiles each key exactly as SGLang's
-xgrammar backend does, and the grammar objects are SGLang's own
+supplies the tokenizer info and compiles each spec as SGLang's xgrammar
+backend compiles a key (the spec's kind and gramcoord's validated text:
+``compiled_key``), and the grammar objects are SGLang's own
 ``XGrammarGrammar`` (accept, rollback, termination, the batched and
 repeated mask fills of chunked prefill, jump-forward and retokenization,
-``ValueError`` on a refused token). So masks are SGLang's, bit for bit.
+``ValueError`` on a refused token). So masks are SGLang's, bit for bit,
+except where gramcoord rewrote a schema into an equivalent that xgrammar
+enforces whole (there SGLang's would let through what xgrammar drops).
 gramcoord adds validation and keys, a bounded compile cache, a poison
 cache with a TTL for timeouts (SGLang caches a timeout for ever), compile
 deadlines, joined compiles of one key, and the agreement of when a grammar
@@ -89,9 +92,9 @@ __all__ = [
     "AgreedFuture",
     "SglangBackend",
     "SglangGrammar",
+    "compiled_key",
     "options_from_env",
     "sglang_grammar_config",
-    "sglang_key",
     "sglang_spec",
 ]
 
@@ -99,6 +102,8 @@ logger = logging.getLogger(__name__)
 
 # SGLang's json_schema value for "any JSON".
 ANY_JSON = "$$ANY$$"
+# gramcoord's spec kind -> SGLang's key type (json_object: ANY_JSON).
+_KEY_TYPES = {"json": "json", "regex": "regex", "ebnf": "ebnf", "structural_tag": "structural_tag"}
 _TIMED_OUT = "Grammar preprocessing timed out"
 # SGLang's launch has no flag for a backend's options: the server's
 # --grammar-backend gramcoord reads gramcoord's grammar options from this
@@ -181,32 +186,31 @@ def sglang_spec(key: tuple[str, str]) -> dict[str, Any] | None:
     return None
 
 
-def sglang_key(spec: Any) -> tuple[str, str]:
-    """SGLang's grammar key for a spec mapping: ``sglang_spec``'s inverse.
+def compiled_key(spec: GrammarSpec) -> tuple[str, str]:
+    """The SGLang key a validated spec compiles as: its kind and gramcoord's text.
 
-    The spec store keeps each request's mapping as ``sglang_spec`` made it,
-    so a stored spec compiles from the text its request wrote (an ``ebnf``
-    and a ``full_assistant_ebnf`` key compile alike). An operator's list may
-    give a schema as a JSON value; it compiles from that value's text.
+    The text is the one gramcoord validated and keyed: canonical, and for a
+    JSON schema rewritten into an equivalent xgrammar enforces whole where
+    one exists (``grammars.schema_rewrite``), as under vLLM. So the grammar
+    depends on the key alone (two texts of one schema compile alike), a
+    rewritten schema is enforced whole instead of xgrammar dropping what it
+    does not enforce, and a spec store's warm compile is the request's.
 
     Raises
     ------
     ValueError
-        A mapping that is not one of SGLang's kinds.
+        A kind SGLang has no key for (``choice``, ``lark``: an operator's
+        list may hold one).
     """
-    if isinstance(spec, dict) and len(spec) == 1:
-        ((kind, value),) = spec.items()
-        if kind == "json_object" and value is True:
-            return ("json", ANY_JSON)
-        if kind in ("json", "structural_tag") and isinstance(value, (dict, bool)):
-            value = msgspec.json.encode(value).decode()
-        if isinstance(value, str) and kind in ("json", "regex", "grammar", "structural_tag"):
-            return ("ebnf" if kind == "grammar" else kind, value)
-    kinds = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
-    raise ValueError(
-        f"not a spec SGLang compiles ({kinds}); it takes one of json, json_object, "
-        "regex, grammar, structural_tag"
-    )
+    if spec.kind == "json_object":
+        return ("json", ANY_JSON)
+    key_type = _KEY_TYPES.get(spec.kind)
+    if key_type is None:
+        raise ValueError(
+            f"SGLang has no grammar kind for a {spec.kind!r} spec; it takes json, "
+            "json_object, regex, grammar (EBNF) and structural_tag"
+        )
+    return (key_type, spec.text)
 
 
 class AgreedFuture(Future):
@@ -327,9 +331,6 @@ class SglangBackend(BaseGrammarBackend):
         if compile_hook is not None:
             compile_fn = compile_hook(compile_fn)
         vocab = HostVocabulary(f"sglang:{name}:{vocab_size}")
-        # spec key -> SGLang's key, compiled as SGLang's backend compiles it
-        # (set before the door opens: a spec store's warm start fills it too).
-        self._origin: dict[bytes, tuple[str, str]] = {}
         self.grammars = GrammarFutures.for_host(
             self.config,
             vocab,
@@ -338,7 +339,6 @@ class SglangBackend(BaseGrammarBackend):
             admit=self._admitted,
             refuse=self._refused,
             max_gap=1,
-            on_warm=self._warm_origin,
         )
         # request id -> SGLang's key (for the grammar object of an admitted one).
         self._keys: dict[str, tuple[str, str]] = {}
@@ -353,14 +353,11 @@ class SglangBackend(BaseGrammarBackend):
     # -- compiling -------------------------------------------------------------
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        grammar = self.host._init_value_dispatch(self._origin[spec.key], False)
+        """Compile ``spec`` as SGLang's xgrammar backend compiles its key (``compiled_key``)."""
+        grammar = self.host._init_value_dispatch(compiled_key(spec), False)
         if isinstance(grammar, InvalidGrammarObject):
             raise ValueError(grammar.error_message)
         return grammar.ctx
-
-    def _warm_origin(self, spec: GrammarSpec, stored: Any) -> None:
-        """A stored spec compiles from its request's own text (the spec store's thread)."""
-        self._origin.setdefault(spec.key, sglang_key(stored))
 
     def _from_ctx(
         self, ctx: CompiledGrammar, key: tuple[str, str], hit: bool, check: str | None
@@ -427,8 +424,6 @@ class SglangBackend(BaseGrammarBackend):
                 else "cached verdict, no compile ran for this request: this grammar failed earlier"
             )
             return InvalidGrammarObject(f"{failed.code}: {why}"), True
-        if found.key is not None:
-            self._origin.setdefault(found.key, key)
         return self._submit(key, spec), False
 
     def set_cache(self, key: tuple[str, str], value: BaseGrammarObject) -> None:

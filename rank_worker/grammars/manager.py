@@ -186,15 +186,9 @@ class GrammarManager:
     tokenizer:
         The loaded vocabulary (part of every key).
     compile_fn:
-        Override the xgrammar backend (a host's own compiles; tests inject
-        slow or failing ones).
+        Override the xgrammar backend (tests inject slow or failing ones).
     clock:
         Monotonic seconds for compile deadlines.
-    on_warm:
-        Called on the spec store's thread with a stored spec, validated, and
-        the mapping it was stored as, before its warm compile: a host whose
-        ``compile_fn`` compiles its own text rather than the canonical one
-        (SGLang compiles the schema as the request wrote it) records it here.
     """
 
     def __init__(
@@ -204,11 +198,9 @@ class GrammarManager:
         *,
         compile_fn: CompileFn | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_warm: Callable[[GrammarSpec, Any], None] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self._on_warm = on_warm
         backend = compile_fn or XGrammarBackend(
             tokenizer, cache_limit_bytes=int(config.cache_limit_mb * 2**20)
         )
@@ -289,12 +281,6 @@ class GrammarManager:
                 continue
             if spec.key in self._admitted_keys:
                 continue
-            if self._on_warm is not None:
-                try:
-                    self._on_warm(spec, stored.spec)
-                except Exception as exc:  # the host's refusal is this record's alone
-                    self.store.refuse(stored.where, f"the host refused it: {exc}")
-                    continue
             job = self.service.warm(spec)
             if job is None:
                 continue

@@ -43,7 +43,6 @@ from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.outcome import Lookup, Outcome
-from gramcoord.rank_worker.grammars.spec import GrammarSpec
 from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary, Tokenizer
 from gramcoord.rank_worker.session.leader import StageLeader
 
@@ -113,7 +112,6 @@ class GrammarFutures:
         admit: Admit,
         refuse: Refuse,
         max_gap: int | None = None,
-        on_warm: Callable[[GrammarSpec, Any], None] | None = None,
     ) -> GrammarFutures:
         """The door inside a host engine, agreeing over the host's own ``group``.
 
@@ -121,13 +119,10 @@ class GrammarFutures:
         ``distributed`` are ``StageLeader.for_host``'s: the host hands over
         what its grammar manager is made of and holds neither the manager
         nor the leader. ``max_gap`` defaults to the agreement's
-        ``agree_max_gap_steps``. ``on_warm`` sees each spec of the spec
-        store before its warm compile (``GrammarManager``).
+        ``agree_max_gap_steps``.
         """
         distributed = distributed or DistributedConfig()
-        leader = StageLeader.for_host(
-            grammar, vocabulary, compile_fn, group, distributed, on_warm=on_warm
-        )
+        leader = StageLeader.for_host(grammar, vocabulary, compile_fn, group, distributed)
         gap = distributed.agree_max_gap_steps if max_gap is None else max_gap
         door = cls(leader, admit=admit, refuse=refuse, max_gap=gap)
         wait_s = grammar.store.ready_wait_s

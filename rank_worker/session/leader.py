@@ -157,8 +157,6 @@ class StageLeader:
         compile_fn: CompileFn,
         group: Any | None,
         distributed: DistributedConfig | None = None,
-        *,
-        on_warm: Callable[[GrammarSpec, Any], None] | None = None,
     ) -> StageLeader:
         """The per-rank API inside a host engine, agreeing over the host's own group.
 
@@ -184,11 +182,8 @@ class StageLeader:
             the agreed clock, divergence naming the ranks.
         distributed:
             Deadlines (``step_timeout_s``) and the agreement's options.
-        on_warm:
-            ``GrammarManager``'s: sees each stored spec before its warm
-            compile (a host that compiles its own text records it).
         """
-        manager = GrammarManager(grammar, vocabulary, compile_fn=compile_fn, on_warm=on_warm)
+        manager = GrammarManager(grammar, vocabulary, compile_fn=compile_fn)
         if group is None:
             return cls(manager, None)
         from gramcoord.coordinator.groups import HostGroup

@@ -261,3 +261,39 @@ def test_a_bounded_string_refuses_a_raw_control_character(backends, char) -> Non
     theirs.accept_token(control)
     with pytest.raises(ValueError, match="Tokens not accepted"):
         ours.accept_token(control)
+
+
+@pytest.mark.parametrize(
+    ("schema", "breach", "valid"),
+    [
+        # minLength on a schema without type: it constrains strings only.
+        pytest.param({"minLength": 3}, '"ab"', '"abc"', id="untyped-keyword"),
+        # vLLM's tool_choice="required" shape: the siblings hold in every branch.
+        pytest.param(
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}},
+                "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+            },
+            '{"c": 1}',
+            '{"a": 1}',
+            id="siblings-of-anyOf",
+        ),
+    ],
+)
+def test_a_schema_gramcoord_rewrites_is_enforced_whole(backends, schema, breach, valid) -> None:
+    # SGLang's xgrammar backend drops what xgrammar does not enforce and lets
+    # the breach through; ours compiles the equivalent schema xgrammar enforces.
+    ours_b, theirs_b = backends
+    key = ("json", json.dumps(schema))
+    (theirs,) = _grammars(theirs_b, [key])
+    eos = next(iter(host().eos_token_ids))
+
+    def ends(grammar, text: str) -> bool:
+        return grammar.matcher.accept_string(text) and grammar.matcher.accept_token(eos)
+
+    assert ends(theirs, breach)  # the gap gramcoord closes
+    for text, ok in ((breach, False), (valid, True)):
+        (ours,) = _grammars(ours_b, [key])
+        assert ours.check is None  # enforced whole: no end check needed
+        assert ends(ours, text) is ok
