@@ -1,6 +1,6 @@
 """Which of gramcoord's files one request runs through, per host.
 
-``gramcoord bench request_path [ours|vllm|sglang ...]`` traces the Python
+``gramcoord bench request_path [ours|vllm|vllm_tp2|sglang ...]`` traces the Python
 calls made while one structured request goes from submission to release,
 in a process that has already served one request (so one-time set-up is
 not counted), and counts the gramcoord source files whose functions ran
@@ -12,6 +12,9 @@ Hosts:
   rank body: session, step loop, grammars, masks), one JSON-schema request;
 - ``vllm``: a real vLLM 0.32 engine (needs vLLM; the tiny random-weight model
   is built offline) with ``backend="gramcoord"``, one ``LLM.generate`` call;
+- ``vllm_tp2``: the same at TP=2 under vLLM's external launcher, the
+  multi-rank path: ``torchrun`` starts two ranks on 127.0.0.1, each traces
+  its own process, and the count is the files either rank ran;
 - ``sglang``: SGLang 0.5.23's own ``GrammarManager`` over the registered
   backend (needs SGLang's modules), one request from arrival to its first
   mask, accepted tokens and abort.
@@ -30,12 +33,13 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from gramcoord.benchmarks._contract import BenchRecord
 
 FOLDERS = ("coordinator", "rank_worker", "sync", "engine", "launch", "integrations", "benchmarks")
 # Targets (files on one request's path).
-TARGETS = {"ours": 25, "vllm": 8, "sglang": 8}
+TARGETS = {"ours": 25, "vllm": 8, "vllm_tp2": 12, "sglang": 8}
 _SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
@@ -120,32 +124,72 @@ def _ours(tracer: Tracer) -> None:
         session.close()
 
 
-def _vllm(tracer: Tracer) -> None:
-    from gramcoord.benchmarks._vllm_common import CPU_ENV, ENGINE_KW, build_tiny_vllm_model
-
-    for k, v in {**CPU_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
-        os.environ.setdefault(k, v)
+def _vllm_requests(tracer: Tracer, model: str, **engine: Any) -> None:
+    """One warm-up request, then one traced, through ``LLM(model, **engine)``."""
+    from gramcoord.benchmarks._vllm_common import CPU_ENV, ENGINE_KW
     from gramcoord.integrations.vllm.plugin import register
 
+    for k, v in CPU_ENV.items():
+        os.environ.setdefault(k, v)
     register()
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
+    llm = LLM(model, structured_outputs_config={"backend": "gramcoord"}, **ENGINE_KW, **engine)
+
+    def params(i: int) -> SamplingParams:
+        schema = dict(_SCHEMA, title=f"r{i}")
+        return SamplingParams(
+            temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(json=schema)
+        )
+
+    llm.generate(["a"], params(0), use_tqdm=False)
+    tracer.on = True
+    llm.generate(["b"], params(1), use_tqdm=False)
+    tracer.on = False
+    del llm
+
+
+def _vllm(tracer: Tracer) -> None:
+    from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with tempfile.TemporaryDirectory(prefix="gramcoord-path-") as tmp:
+        _vllm_requests(tracer, str(build_tiny_vllm_model(Path(tmp) / "model")))
+
+
+def _vllm_tp2(tracer: Tracer) -> None:
+    import json
+    import subprocess
+
+    from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
+    from gramcoord.launch.ports import free_port
+
     with tempfile.TemporaryDirectory(prefix="gramcoord-path-") as tmp:
         model = build_tiny_vllm_model(Path(tmp) / "model")
-        llm = LLM(str(model), structured_outputs_config={"backend": "gramcoord"}, **ENGINE_KW)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        cmd += ["--module", __name__, "--tp2-rank", str(model), tmp]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"the TP=2 ranks failed ({done.returncode}): {done.stderr[-3000:]}")
+        for rank in (0, 1):
+            tracer.files |= set(json.loads(Path(tmp, f"rank{rank}.json").read_text()))
 
-        def params(i: int) -> SamplingParams:
-            schema = dict(_SCHEMA, title=f"r{i}")
-            return SamplingParams(
-                max_tokens=16, structured_outputs=StructuredOutputsParams(json=schema)
-            )
 
-        llm.generate(["a"], params(0), use_tqdm=False)
-        tracer.on = True
-        llm.generate(["b"], params(1), use_tqdm=False)
-        tracer.on = False
-        del llm
+def _tp2_rank(model: str, out: str) -> None:
+    """One rank of ``vllm_tp2`` (under torchrun): trace, write ``rank<R>.json``."""
+    import json
+
+    tracer = Tracer()
+    tracer.install()
+    try:
+        engine = {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 2}
+        _vllm_requests(tracer, model, **engine)
+    finally:
+        tracer.remove()
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(sorted(tracer.files)))
 
 
 def _sglang(tracer: Tracer) -> None:
@@ -181,7 +225,12 @@ def _sglang(tracer: Tracer) -> None:
         backend.close()
 
 
-HOSTS: dict[str, Callable[[Tracer], None]] = {"ours": _ours, "vllm": _vllm, "sglang": _sglang}
+HOSTS: dict[str, Callable[[Tracer], None]] = {
+    "ours": _ours,
+    "vllm": _vllm,
+    "vllm_tp2": _vllm_tp2,
+    "sglang": _sglang,
+}
 
 
 def trace(host: str) -> Tracer:
@@ -218,3 +267,9 @@ def run(args: list[str]) -> list[BenchRecord]:
             )
         )
     return records
+
+
+if __name__ == "__main__":  # a rank of vllm_tp2: --tp2-rank MODEL OUT
+    if sys.argv[1:2] != ["--tp2-rank"] or len(sys.argv) != 4:
+        raise SystemExit("usage: python -m gramcoord.benchmarks.request_path --tp2-rank MODEL OUT")
+    _tp2_rank(sys.argv[2], sys.argv[3])
