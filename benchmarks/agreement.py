@@ -43,7 +43,10 @@ outcome.
 How it is measured, the same way for ours and the baseline:
 
 - every rank times every contender (``interleaved_ms``: alternating rounds of
-  short medians); each figure is the slowest rank's median;
+  short medians); each figure is the slowest rank's median. The floors run
+  after every targeted row, in rounds of their own with the three paths
+  timed again beside them, so the targeted rows are timed as if no floor
+  existed;
 - the timed call ends when this rank is done with the step: our chain's
   asynchronous send is drained inside it (``Runtime.drain``), as the
   baseline's blocking ``send_object_list`` is;
@@ -224,6 +227,7 @@ def _layout_rows(rank, args, dp, pp):
             is_sender=c.pp == 0,
             world=dp,
         )
+        later = []  # (pending, the paths and their floors, bytes per step)
         for pending in args.pending:
             status = local_status(pending, c.dp, dp)
             member = StaticMember(status)
@@ -250,7 +254,8 @@ def _layout_rows(rank, args, dp, pp):
                 _floors(status, dp, pending, runtime, base_group) if pp == 1 else ({}, {})
             )
             where = f"{name}, {pending} pending"
-            times = _measure(rank, where, {**fns, **floors}, decisions, args.repeat)
+            # The targeted rows: ours against SGLang's way, in rounds of their own.
+            times = _measure(rank, where, fns, decisions, args.repeat)
             rows.append(
                 dict(name=name, ours=times["all_gather"], base=times["base"], pending=pending)
             )
@@ -265,13 +270,18 @@ def _layout_rows(rank, args, dp, pp):
                     pending=pending,
                 )
             )
+            later.append((pending, {**fns, **floors}, wire))
+        # Each path against its floor, after every targeted row: the paths
+        # timed again, in the floors' rounds.
+        for pending, fns, wire in later:
+            with_floors = interleaved_ms(fns, args.repeat)
             for path, (label, _) in FLOORS.items():
                 rows.append(
                     dict(
                         name=f"{label}_vs_floor_dp{dp}",
                         path=path,
-                        ours=times[path],
-                        base=times[f"{path}_floor"],
+                        ours=with_floors[path],
+                        base=with_floors[f"{path}_floor"],
                         bytes=wire[path],
                         pending=pending,
                     )
