@@ -79,8 +79,8 @@ def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(
 def test_a_benchmark_past_its_deadline_is_killed_with_its_group(tmp_path, no_strays):
     out = tmp_path / "out"
     argv = ["bench", "all", "--out", str(out), "--only", "transport"]
-    # One second: still importing torch, let alone done.
-    argv += ["--args", TINY_TRANSPORT, "--timeout-s", "1"]
+    # One second, for a run of minutes: the deadline, never the machine's speed, ends it.
+    argv += ["--args", "transport=--iters 100000 --rounds 50", "--timeout-s", "1"]
     assert main(argv) == 1
     (row,) = json.loads((out / "bench.json").read_text())
     assert row["bench"] == "transport" and row["error"] == "timed out after 1 s"
