@@ -1,10 +1,11 @@
 """A spec text is validated once per process: its verdict is remembered (``spec._Verdicts``).
 
 The passes run on a miss only; a hit returns the same spec, warnings,
-refusal and bound as a fresh validation would. Object-valued schemas are
-never held (an object has no exact text to key it by: ``1`` and ``1.0``
-compare equal), and
-the bound on held text stays exact.
+refusal and bound as a fresh validation would. An object-valued schema is
+held by its JSON text when that text stands for it exactly (as a workload
+passes a schema); one the text would change (an int
+key, a tuple, NaN) is validated every time. The bound on held text stays
+exact.
 """
 
 from __future__ import annotations
@@ -102,11 +103,42 @@ def test_the_config_the_strictness_and_the_vocabulary_each_count(passes):
     assert d == _fresh({"json": WIDE}, lax, vocab="v2").spec
 
 
-def test_object_valued_schemas_are_validated_every_time(passes):
+def test_an_object_schema_is_validated_once_by_its_exact_text(passes):
     config = GrammarConfig()
     as_object = {"json": json.loads(WIDE)}
-    assert validate_spec(as_object, config) == validate_spec(as_object, config)
+    first = admit(as_object, config, vocab="v")
+    again = admit({"json": json.loads(WIDE)}, config, vocab="v")  # an equal, new object
+    assert len(passes) == 1
+    assert again == first == _fresh(as_object, config, vocab="v")
+    # 1 and 1.0 compare equal but are two texts: two verdicts, each its own.
+    one = {"json": {"type": "integer", "maximum": 1}}
+    one_float = {"json": {"type": "integer", "maximum": 1.0}}
+    assert one == one_float
+    passes.clear()
+    got = [validate_spec(raw, config) for raw in (one, one_float, one, one_float)]
     assert len(passes) == 2
+    assert got[0] == got[2] == _fresh(one, config).spec
+    assert got[1] == got[3] == _fresh(one_float, config).spec
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {1: {"type": "string"}}},  # text: {"1": ...}
+        {"enum": ("a", "b")},  # text: a list
+        {"type": "number", "maximum": float("nan")},  # text: null
+    ],
+    ids=["int-key", "tuple", "nan"],
+)
+def test_an_object_its_text_would_change_is_validated_every_time(passes, schema):
+    config = GrammarConfig()
+    verdicts = []
+    for _ in range(2):
+        try:
+            verdicts.append(validate_spec({"json": schema}, config))
+        except SpecError as exc:
+            verdicts.append((exc.code, exc.message))
+    assert len(passes) == 2 and verdicts[0] == verdicts[1]
 
 
 def test_the_bound_of_a_held_spec_is_exact_for_every_budget(passes):
