@@ -162,6 +162,7 @@ def _vllm_tp2(tracer: Tracer) -> None:
     import json
     import subprocess
 
+    from gramcoord.benchmarks._contract import end_group, spawn
     from gramcoord.benchmarks._vllm_common import build_tiny_vllm_model
     from gramcoord.launch.ports import free_port
 
@@ -170,10 +171,18 @@ def _vllm_tp2(tracer: Tracer) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
         cmd += ["--module", __name__, "--tp2-rank", str(model), tmp]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"the TP=2 ranks failed ({done.returncode}): {done.stderr[-3000:]}")
+        log = Path(tmp, "ranks.log")
+        # A session of its own: torchrun and both ranks end with it, whatever happens.
+        proc = spawn(cmd, log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            code = proc.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            end_group(proc)
+        if code != 0:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the TP=2 ranks failed ({code or 'timed out'}): {tail}")
         for rank in (0, 1):
             tracer.files |= set(json.loads(Path(tmp, f"rank{rank}.json").read_text()))
 
