@@ -21,19 +21,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
 from gramcoord.coordinator.agreement import Agreement
-from gramcoord.coordinator.comm import Comm
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import CoordinatorError, LayoutError
 from gramcoord.coordinator.layout import HostLevels, ParallelLayout
-from gramcoord.coordinator.pipeline import Chain
 from gramcoord.coordinator.poison_share import PoisonShare
 from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord, wall_clock_ms
-from gramcoord.coordinator.two_level import TwoLevel
+
+if TYPE_CHECKING:
+    # A rank's runtime; the chain of a pipeline and the two-level agreement of
+    # a multi-host group are imported where they are built, so a rank with no
+    # pipeline stages and one agreement level never loads them.
+    from gramcoord.coordinator.comm import Comm
+    from gramcoord.coordinator.pipeline import Chain
+    from gramcoord.coordinator.two_level import TwoLevel
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +139,11 @@ class Coordinator:
         self.agreement: Agreement | None = None
         self.poison: PoisonShare | None = None
         prev, nxt = layout.chain_prev(rank), layout.chain_next(rank)
-        self.chain = (
-            Chain(comm, rank=rank, prev=prev, next=nxt, window=window)
-            if (prev is not None or nxt is not None)
-            else None
-        )
+        self.chain: Chain | None = None
+        if prev is not None or nxt is not None:
+            from gramcoord.coordinator.pipeline import Chain
+
+            self.chain = Chain(comm, rank=rank, prev=prev, next=nxt, window=window)
         # Set when this rank agrees in two levels (inside its host, then across).
         self.levels: HostLevels | None = None
         if self.decider:
@@ -146,6 +151,8 @@ class Coordinator:
             gather = self._gather("agreement") if len(members) > 1 else None
             reduce = self._reduce("agreement", "band") if len(members) > 1 else None
             if levels is not None and levels.group == members:
+                from gramcoord.coordinator.two_level import TwoLevel
+
                 self.levels = levels
                 gather, reduce = self._two_level(TwoLevel(comm, levels))
             self.agreement = Agreement(

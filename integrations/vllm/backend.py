@@ -38,9 +38,8 @@ from gramcoord.integrations.vllm.options import (
     vllm_grammar_config,
     vocab_name,
 )
-from gramcoord.integrations.vllm.replicas import replica_poison
+from gramcoord.rank_worker.config import FaultsConfig
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
 from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
@@ -234,26 +233,36 @@ class VllmBackend(StructuredOutputBackend):
         options = parse(extra, bool(so.disable_any_whitespace))  # checked at start too
         self.config = options.grammar
         self.global_rank = int(os.environ.get("RANK", "0"))
-        faults = RankFaults.of(options.faults, self.global_rank)
+        compile_fn: Callable[[Any], Any] = self._compile_spec
+        flip_step = -1
+        if options.faults != FaultsConfig():  # a drill: only then is fault injection loaded
+            from gramcoord.rank_worker.faults import RankFaults
+
+            faults = RankFaults.of(options.faults, self.global_rank)
+            compile_fn, flip_step = faults.wrap_compile(compile_fn), faults.flip_step
         distributed = options.distributed
         vocab = vocab_name(self.vllm_config)
         self.grammars = GrammarFutures.for_host(
             self.config,
             HostVocabulary(vocab),
-            faults.wrap_compile(self._compile_spec),
+            compile_fn,
             self.group,
             distributed,
             admit=self._admitted,
             refuse=self._refused,
         )
-        poison = replica_poison(self.vllm_config)
-        if poison is not None:
-            self.grammars.join_replicas(poison)
+        if self.vllm_config.parallel_config.data_parallel_size > 1:
+            # Only data-parallel replicas share poison (``replicas``).
+            from gramcoord.integrations.vllm.replicas import replica_poison
+
+            poison = replica_poison(self.vllm_config)
+            if poison is not None:
+                self.grammars.join_replicas(poison)
         self.digests: MaskDigests | None = None
         if self.group is not None:
             from gramcoord.integrations.vllm.tp_digest import MaskDigests
 
-            self.digests = MaskDigests(self.group, distributed, self._max_rows(), faults)
+            self.digests = MaskDigests(self.group, distributed, self._max_rows(), flip_step)
         self._stops: dict[str, set[int] | None] = {}
         # End-checked grammars by request, and the breaches of those freed
         # since the engine step's outputs were last read (failures.py).

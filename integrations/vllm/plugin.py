@@ -532,12 +532,13 @@ def _wrap_scheduler() -> None:
 def _wrap_dp_step() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from gramcoord.integrations.vllm.replicas import sync_replicas
-
     original = LLMEngine.has_unfinished_requests_dp
 
     @functools.wraps(original)
     def has_unfinished_requests_dp(self, has_unfinished):
+        # vLLM calls this with DP > 1 only: one replica never loads ``replicas``.
+        from gramcoord.integrations.vllm.replicas import sync_replicas
+
         sync_replicas(self.vllm_config)
         return original(self, has_unfinished)
 

@@ -46,7 +46,6 @@ import numpy as np
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.groups import HostGroup
 from gramcoord.rank_worker.errors import ErrorCode
-from gramcoord.rank_worker.faults import RankFaults
 from gramcoord.rank_worker.session.tp_check import RowPosition, TpCheck, TpMismatch
 
 __all__ = ["MaskDigests", "flip_one_bit", "row_digests"]
@@ -101,17 +100,18 @@ class MaskDigests:
     max_rows:
         Most bitmask rows in one step (``max_num_seqs`` times one plus the
         drafts).
-    faults:
-        ``flip_mask_bit``: this rank clears one allowed bit at that step.
+    flip_step:
+        The ``faults.flip_mask_bit`` step at which this rank clears one allowed
+        bit (``RankFaults.flip_step``); -1 for never.
     """
 
     def __init__(
-        self, group: Any, distributed: DistributedConfig, max_rows: int, faults: RankFaults
+        self, group: Any, distributed: DistributedConfig, max_rows: int, flip_step: int = -1
     ) -> None:
         comm = HostGroup(group, step_timeout_s=distributed.step_timeout_s, names=("tp",))
         self.rank = comm.rank
         self._check = TpCheck(comm, comm.rank, every=distributed.tp_check_steps, max_rows=max_rows)
-        self._flip_step = faults.flip_step
+        self._flip_step = flip_step
         self.steps = 0
         # Seconds spent digesting and posting (bench vllm reports the share of the step).
         self.seconds = 0.0

@@ -18,11 +18,12 @@ return the ``TpMismatch`` they found; the host decides what it costs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from gramcoord.coordinator.comm import Comm
+if TYPE_CHECKING:
+    from gramcoord.coordinator.comm import Comm
 
 # (request, output position, digest) of one digested row.
 RowPosition = tuple[str, int, int]

@@ -31,11 +31,8 @@ def digests_body(rank: int, world: int, flip_at: tuple[int, int] | None, steps: 
 
     from gramcoord.coordinator.config import DistributedConfig
     from gramcoord.integrations.vllm.tp_digest import MaskDigests
-    from gramcoord.rank_worker.config import FaultsConfig
-    from gramcoord.rank_worker.faults import RankFaults
 
-    faults = RankFaults.of(FaultsConfig(), rank)
-    digests = MaskDigests(dist.group.WORLD, DistributedConfig(tp_check_steps=4), 8, faults)
+    digests = MaskDigests(dist.group.WORLD, DistributedConfig(tp_check_steps=4), 8)
     requests = {rid: SimpleNamespace(num_output_tokens=0) for rid in REQUESTS}
     scheduler = SimpleNamespace(requests=requests, grammar_compile_error_reqs=set())
     out = SimpleNamespace(scheduled_spec_decode_tokens={})
