@@ -298,7 +298,7 @@ def _floors(status, world, pending, runtime, base_group) -> tuple[dict, dict[str
     import torch
     import torch.distributed as dist
 
-    from gramcoord.coordinator.pending_report import CODECS
+    from gramcoord.coordinator.agreement import CODECS
     from gramcoord.coordinator.status import PendingState
 
     pg = runtime.process_group("agreement")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gramcoord.coordinator.pending_report import GatherCodec, ReduceCodec, fingerprint, window_of
+from gramcoord.coordinator.agreement import GatherCodec, ReduceCodec, fingerprint, window_of
 from gramcoord.coordinator.pipeline import DecisionCodec
 from gramcoord.coordinator.poison_share import (
     MESSAGE_BYTES,
