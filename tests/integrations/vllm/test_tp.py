@@ -218,7 +218,7 @@ NEVER_LOADED = (
 # stage leader with the agreement, the TP mask digests, and the spec store
 # and fault injection this run uses; never the chain of a pipeline, the
 # two-level agreement or the poison sharing of DP replicas.
-MAX_MODULES_TP2 = 42
+MAX_MODULES_TP2 = 41
 NOT_RUN_AT_TP2 = (
     "gramcoord.coordinator.pipeline",
     "gramcoord.coordinator.two_level",
