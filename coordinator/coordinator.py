@@ -29,15 +29,16 @@ from gramcoord.coordinator.agreement import Agreement
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import CoordinatorError, LayoutError
 from gramcoord.coordinator.layout import HostLevels, ParallelLayout
-from gramcoord.coordinator.poison_share import PoisonShare
 from gramcoord.coordinator.status import Decision, LocalStatus, PoisonRecord, wall_clock_ms
 
 if TYPE_CHECKING:
-    # A rank's runtime; the chain of a pipeline and the two-level agreement of
-    # a multi-host group are imported where they are built, so a rank with no
-    # pipeline stages and one agreement level never loads them.
+    # A rank's runtime; the chain of a pipeline, the two-level agreement of a
+    # multi-host group and the poison sharing of DP replicas are imported
+    # where they are built, so a rank of one replica with no pipeline stages
+    # and one agreement level never loads them.
     from gramcoord.coordinator.comm import Comm
     from gramcoord.coordinator.pipeline import Chain
+    from gramcoord.coordinator.poison_share import PoisonShare
     from gramcoord.coordinator.two_level import TwoLevel
 
 logger = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ class Coordinator:
             )
             poison_members = layout.poison_group()
             if rank in poison_members:
+                from gramcoord.coordinator.poison_share import PoisonShare
+
                 self.poison = PoisonShare(
                     members=poison_members,
                     post=self._post("poison"),

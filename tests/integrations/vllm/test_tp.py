@@ -216,13 +216,15 @@ NEVER_LOADED = (
 # Our modules (packages included) a TP=2 external-launcher rank holds after
 # its requests: the plugin, the grammar manager and its validation, the
 # stage leader with the agreement, the TP mask digests, and the spec store
-# and fault injection this run uses; never the chain of a pipeline, the
-# two-level agreement or the poison sharing of DP replicas.
-MAX_MODULES_TP2 = 41
+# this run uses; never the chain of a pipeline, the two-level agreement, the
+# poison sharing of DP replicas, or fault injection (no faults section).
+MAX_MODULES_TP2 = 40
 NOT_RUN_AT_TP2 = (
     "gramcoord.coordinator.pipeline",
+    "gramcoord.coordinator.poison_share",
     "gramcoord.coordinator.two_level",
     "gramcoord.integrations.vllm.replicas",
+    "gramcoord.rank_worker.faults",
 )
 
 
