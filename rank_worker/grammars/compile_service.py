@@ -138,8 +138,7 @@ class XGrammarBackend:
 
     def __call__(self, spec: GrammarSpec) -> Any:
         compiler = self.full if spec.needs_full_vocab else self.restricted
-        with native_call():  # see native_exit: the process may exit meanwhile
-            return self._by_kind[spec.kind](compiler, spec)
+        return self._by_kind[spec.kind](compiler, spec)
 
 
 class CompileService:
@@ -287,7 +286,10 @@ class CompileService:
             self._running.add(job)
         t0 = time.perf_counter()
         try:
-            result = self._compile(job.spec)
+            # Every compile function (ours, vLLM's or SGLang's compiler) is
+            # counted: the process may exit while it runs (``native_exit``).
+            with native_call():
+                result = self._compile(job.spec)
             error = None
         except Exception as exc:  # any compile failure is the spec's fault
             result, error = None, (ErrorCode.grammar_invalid, compile_error_message(exc))
