@@ -121,8 +121,9 @@ def run_loop(
             model,
             sampler,
             timings,
+            # Only the leader drafts, and only with speculative decoding on.
             make_drafter=(lambda req: make_drafter(speculative, tokenizer, req))
-            if session.is_leader
+            if session.is_leader and speculative.num_tokens > 0
             else None,
             on_request_end=on_request_end,
         )
