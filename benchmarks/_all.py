@@ -267,7 +267,7 @@ RECORDS_HEAD = (
 
 
 def markdown(records: list[BenchRecord], runs: list[BenchRun]) -> str:
-    """``bench.md``: the records with a target and the failed benchmarks (the table
+    """``bench.md``: the records with a target, failed benchmarks and skipped rows (the table
     docs/performance.md shows first), the runs, then every record."""
 
     def rows(rs: list[BenchRecord]) -> list[list[str]]:
@@ -287,7 +287,7 @@ def markdown(records: list[BenchRecord], runs: list[BenchRun]) -> str:
         f"**Targets**: {met} met, {missed} missed (**NO**), {failed} benchmarks failed "
         "(**ERROR**). `ratio` = baseline ms / ours ms, higher is better; each pair is "
         "measured side by side in one run.",
-        _table(RECORDS_HEAD, rows([r for r in records if r.met is not None])),
+        _table(RECORDS_HEAD, rows([r for r in records if r.met is not None or r.skipped])),
         f"**Runs**: {sum(r.wall_s for r in runs):.0f} s of benchmarks.",
         _table("| benchmark | arguments | wall s | result |\n|---|---|---:|---|", run_rows),
         f"**All records** ({len(records)}; those without a target only report).",

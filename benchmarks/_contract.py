@@ -63,6 +63,9 @@ class BenchRecord(msgspec.Struct, kw_only=True):
     # Set on a row that stands for a benchmark that failed (crashed, timed
     # out, wrote nothing): why. Its figures are 0 and ``met`` is False.
     error: str | None = None
+    # Set on a row this environment cannot measure (why): its baseline is a
+    # package missing here. No figures; neither met nor missed.
+    skipped: str | None = None
 
     @classmethod
     def failed(cls, bench: str, error: str) -> BenchRecord:
@@ -76,6 +79,22 @@ class BenchRecord(msgspec.Struct, kw_only=True):
             met=False,
             bench=bench,
             error=error,
+        )
+
+    @classmethod
+    def needs_vllm(
+        cls, name: str, baseline: str, bench: str, target: float | None = None
+    ) -> BenchRecord:
+        """The row of a baseline that is vLLM's own code, where vLLM is not importable."""
+        return cls(
+            name=name,
+            baseline=baseline,
+            median_ms=0.0,
+            baseline_median_ms=0.0,
+            ratio=0.0,
+            target=target,
+            skipped="needs vLLM, not importable here: run `make venv-vllm`, then "
+            f"`.venv-vllm/bin/gramcoord bench {bench}`",
         )
 
     @classmethod
@@ -167,6 +186,8 @@ def cells(r: BenchRecord, bold: bool = False) -> list[str]:
     star = "**" if bold else ""
     if r.error is not None:
         return ["-"] * 5 + [f"{star}ERROR{star}", r.error]
+    if r.skipped is not None:
+        return [r.baseline, "-", "-", "-", target_text(r), "skipped", r.skipped]
     met = "-" if r.met is None else ("yes" if r.met else f"{star}NO{star}")
     ratio = f"{r.ratio:.2f}x"
     return [

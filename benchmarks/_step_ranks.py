@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import secrets
 import statistics
 import time
@@ -58,7 +59,6 @@ from gramcoord.benchmarks._step_common import (
     bench_requests,
 )
 from gramcoord.benchmarks._step_sglang import run_sglang
-from gramcoord.benchmarks._step_vllm import run_vllm
 from gramcoord.coordinator.config import DistributedConfig, ParallelConfig
 from gramcoord.engine.loop import run_loop
 from gramcoord.engine.models import SyntheticModel, vocab_index
@@ -233,9 +233,9 @@ def _run(way: str, tokenizer, requests, opts: WorldOptions, rank: int, tp_groups
     if way == "sglang":
         return run_sglang(tokenizer, requests, **kw)
     if way == "vllm":
-        return run_vllm(
-            tokenizer, requests, timeout_s=opts.step_timeout_s, run_id=opts.run_id, **kw
-        )
+        from gramcoord.benchmarks._step_vllm import run_vllm
+
+        return run_vllm(tokenizer, requests, timeout_s=opts.step_timeout_s, **kw)
     raise ValueError(f"unknown way {way!r}")
 
 
@@ -247,6 +247,10 @@ def child(rank: int, world: int, opts: WorldOptions) -> WorldResult:
         opts.workload, limit=opts.limit, copies=opts.copies, max_tokens=opts.max_tokens
     )
     KERNEL_HOOK.install()
+    if "vllm" in opts.ways:
+        # vLLM's queue is imported before any run, so that every way runs
+        # in a process that has vLLM loaded.
+        importlib.import_module("gramcoord.benchmarks._step_vllm")
     # Lazy per-process tables, built before anything is timed.
     vocab_index(tokenizer)
     SyntheticModel(tokenizer).logits([])

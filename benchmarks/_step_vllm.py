@@ -11,9 +11,10 @@ worker 1. Per step:
    manager's pool, the compiler settings ours uses) join the running batch
    once their future is done; nothing is agreed with anyone;
 2. ``execute_model``: the scheduler output (new requests, the batch,
-   finished ids) is broadcast to the workers through the shared-memory
-   broadcast queue (``benchmarks/vllm_shm_queue.py``: pickle protocol 5,
-   out-of-band buffers from 1 MiB); every worker runs the forward;
+   finished ids) is broadcast to the workers through vLLM's own
+   shared-memory broadcast queue (``MessageQueue`` of
+   ``vllm.distributed.device_communicators.shm_broadcast``, built as vLLM's
+   executor builds it); every worker runs the forward;
 3. meanwhile the engine core fills the bitmask (``grammar_bitmask``: one
    preallocated buffer, sequential fills up to 128 requests, chunks of 16
    on a pool of ``min(cpu // 2, 8)`` threads above) and returns it as numpy;
@@ -25,12 +26,13 @@ worker 1. Per step:
 
 Worker 0 lives in the engine core's process here, so its output needs no
 trip back (vLLM sends it through a response queue): in vLLM's favour.
+Needs vLLM: ``gramcoord bench step`` runs this way only where it is importable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
-import secrets
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import xgrammar as xgr
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
 from gramcoord.benchmarks._step_common import (
     BenchRequest,
@@ -49,7 +52,7 @@ from gramcoord.benchmarks._step_common import (
     replica_share,
     take_token,
 )
-from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue
+from gramcoord.benchmarks._vllm_common import vllm_queue
 from gramcoord.engine.models import ModelRequest
 from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
@@ -206,7 +209,6 @@ def run_vllm(
     tp_groups: Sequence,
     max_num_seqs: int,
     timeout_s: float,
-    run_id: str = "",
 ) -> RankRun:
     """This rank's engine-core or worker loop until its replica is done."""
     replica, tp_rank = divmod(rank, tp)
@@ -214,31 +216,29 @@ def run_vllm(
     clock = RunClock(record_batches=tp_rank == 0)
     model, sampler = clock.timed(tokenizer)
     worker = _Worker(model)
-    # Set-up, not the hot path: the queue's handle goes to the peers pickled.
-    box: list = [None]
-    if tp_rank == 0:
-        queue = BroadcastQueue.create(
-            run_id=run_id or f"bstep{secrets.token_hex(3)}", num_readers=tp - 1
-        )
-        box = [queue.handle]
-    dist.broadcast_object_list(box, src=src, group=group)
-    if tp_rank != 0:
-        queue = BroadcastQueue.attach(box[0], tp_rank - 1)
     manager = None
     try:
-        queue.wait_until_ready(timeout_s)
-        if tp_rank == 0:
-            manager = _Manager(tokenizer, max_num_seqs)
-            for request in replica_share(requests, dp=dp, replica=replica):
-                manager.add(request)
-            _engine_core(manager, queue, worker, sampler)
-        else:
-            _worker_loop(queue, worker, sampler, timeout_s)
-        dist.barrier(group=group)  # no one closes the queue under a reader
+        with contextlib.ExitStack() as stack:
+            # Set-up, not the hot path: the queue's handle goes to the peers pickled.
+            box: list = [None]
+            if tp_rank == 0:
+                queue = stack.enter_context(vllm_queue(tp - 1))
+                box = [queue.export_handle()]
+            dist.broadcast_object_list(box, src=src, group=group)
+            if tp_rank != 0:
+                queue = MessageQueue.create_from_handle(box[0], tp_rank - 1)
+            queue.wait_until_ready()
+            if tp_rank == 0:
+                manager = _Manager(tokenizer, max_num_seqs)
+                for request in replica_share(requests, dp=dp, replica=replica):
+                    manager.add(request)
+                _engine_core(manager, queue, worker, sampler)
+            else:
+                _worker_loop(queue, worker, sampler, timeout_s)
+            dist.barrier(group=group)  # no one drops the queue under a reader
     finally:
         if manager is not None:
             manager.close()
-        queue.close()
         clock.close()
     return clock.result("vllm", rank, manager.outputs if manager is not None else {})
 

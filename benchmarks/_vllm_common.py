@@ -8,15 +8,20 @@ endpoint works. Head size 32 (vLLM's CPU attention takes 32, 64, 80, ...;
 16 is refused) and 2 KV heads, so TP=2 splits it. About 5 s to build. Also
 the CPU environment and the engine arguments every engine here, and in the
 real-vLLM tests, is built with, and what the benchmark's engine children
-share: the engine, the dev schemas they decode, their sampling parameters.
-Nothing here imports vLLM at module level (the tests import it where vLLM
+share: the engine, the dev schemas they decode, their sampling parameters;
+and vLLM's broadcast queue, the baseline of ``bench transport`` and ``bench
+step``. Nothing here imports vLLM at module level (the tests import it where vLLM
 may be missing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +186,31 @@ def params(schema: dict | None, max_tokens: int) -> Any:
     return SamplingParams(
         temperature=0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=so
     )
+
+
+@contextlib.contextmanager
+def vllm_queue(readers: int) -> Iterator[Any]:
+    """vLLM's own broadcast queue with ``readers`` local readers, as vLLM's
+    executor builds its ``rpc_broadcast_mq`` (``MessageQueue`` of
+    ``vllm.distributed.device_communicators.shm_broadcast``, chunks of
+    ``VLLM_MQ_MAX_CHUNK_BYTES_MB``). vLLM binds its sockets in
+    ``VLLM_RPC_BASE_PATH`` and leaves the files there (by default the temp
+    dir): here in a folder of its own, removed on exit. vLLM closes the
+    sockets and unlinks the segment when the queue is collected."""
+    from vllm import envs
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    folder = tempfile.mkdtemp(prefix="gramcoord-vllm-mq-")
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    try:
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
+        try:
+            chunk_bytes = envs.VLLM_MQ_MAX_CHUNK_BYTES_MB * 1024 * 1024
+            queue = MessageQueue(readers, readers, max_chunk_bytes=chunk_bytes)
+        finally:
+            os.environ.pop("VLLM_RPC_BASE_PATH")
+            if before is not None:
+                os.environ["VLLM_RPC_BASE_PATH"] = before
+        yield queue
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

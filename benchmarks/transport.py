@@ -15,10 +15,14 @@ process) and a receiver in another process:
   them. This is the row held to the 2x target; the copy path above is what
   an engine that publishes its own array gets;
 - ``vllm_shm_broadcast``: the target baseline, vLLM's own path from engine
-  to TP workers: ``BroadcastQueue.enqueue`` of the bare array (pickle
-  protocol 5, the buffer out of band into a 16 MiB shared-memory chunk of
-  10, flags polled by the reader, a zmq ping) until ``dequeue`` returns the
-  array as a view of the chunk (no copy). See ``benchmarks/vllm_shm_queue.py``;
+  to TP workers, run from vLLM itself: ``MessageQueue.enqueue``
+  (``vllm.distributed.device_communicators.shm_broadcast``) of the bare
+  array (pickle protocol 5, the buffer out of band into a shared-memory
+  chunk; 10 chunks of ``VLLM_MQ_MAX_CHUNK_BYTES_MB``, as vLLM's executor
+  builds it; flags polled by the reader, a zmq ping) until ``dequeue``
+  returns the array (vLLM 0.32 copies an out-of-band buffer out of the
+  chunk). Needs vLLM (``.venv-vllm``); without it these rows are skipped,
+  each saying so;
 - ``pickled_zmq``: ``pickle.dumps`` of the array, in band, over a zmq ipc
   socket, then ``pickle.loads`` (what a plain pickling queue does);
 - ``memcpy``: ``numpy.copyto`` in this process, the physical reference.
@@ -26,8 +30,8 @@ process) and a receiver in another process:
 One-way latency is ``t_received - t_sent`` from ``time.perf_counter_ns``,
 which is CLOCK_MONOTONIC on Linux and so comparable across processes of one
 host. Before each timed send the sender waits, untimed, until the receiver
-is idle again (the ring drained, the queue's read flags set, a zmq ack),
-so no sample includes queueing. Each method takes its
+is idle again (the ring drained; for the others the receiver's zmq ack,
+sent after its timestamp), so no sample includes queueing. Each method takes its
 samples in ``--rounds`` rounds, the methods in turn within a round, so that
 load changes on a shared machine hit all of them alike; every figure is the
 median of the ``--iters`` samples pooled over the rounds, all taken in this
@@ -42,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import importlib.util
 import os
 import pickle
 import secrets
@@ -51,18 +57,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import msgspec
 import numpy as np
+import zmq
 
 from gramcoord.benchmarks._contract import BenchRecord
-from gramcoord.benchmarks.vllm_shm_queue import BroadcastQueue, QueueHandle
+from gramcoord.benchmarks._vllm_common import vllm_queue
 from gramcoord.sync import BitmaskChannel, BitmaskReceiver, ChannelHandle, TransportConfig
 
 WIDTH = 4748  # ceil(151936 / 32)
 VOCAB = WIDTH * 32
 CHILD_TIMEOUT_S = 300
 METHODS = ("shm_ring", "shm_ring_inplace", "vllm_shm_broadcast", "pickled_zmq")
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # What each baseline row asks of the ring (None: reported only).
 TARGETS = {"vllm_shm_broadcast": 2.0, "pickled_zmq": 5.0}
 
@@ -92,32 +101,21 @@ def _receive_ring(handle_b64: str, count: int) -> list[int]:
     return stamps
 
 
-def _receive_vllm(handle_b64: str, count: int) -> list[int]:
-    handle = msgspec.msgpack.decode(base64.b64decode(handle_b64), type=QueueHandle)
-    stamps = []
-    with BroadcastQueue.attach(handle, 0) as queue:
-        queue.wait_until_ready(CHILD_TIMEOUT_S)
-        for _ in range(count):
-            array = queue.dequeue(timeout=CHILD_TIMEOUT_S)
-            stamps.append(time.perf_counter_ns())
-            assert array.shape[1] == WIDTH
-            del array  # a view of the chunk: let the mapping go at close
-    return stamps
-
-
-def _receive_pickled(endpoint: str, count: int) -> list[int]:
-    import zmq
-
+def _receive(endpoint: str, count: int, get, ready=lambda: None) -> list[int]:
+    """``get(sock)`` ``count`` times, each stamped, then acked on the PAIR socket
+    ``endpoint``; a first ack says this receiver is there, then ``ready()`` runs."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.connect(endpoint)
+    sock.send(b"")
+    ready()
     stamps = []
     for _ in range(count):
-        array = pickle.loads(sock.recv())
+        array = get(sock)
         stamps.append(time.perf_counter_ns())
         assert array.shape[1] == WIDTH
         sock.send(b"")
-    sock.close(linger=0)
+    sock.close(linger=10_000)  # the last ack goes out before this process ends
     ctx.term()
     return stamps
 
@@ -127,9 +125,16 @@ def _child_main(argv: list[str]) -> None:
     if role == "ring":
         stamps = _receive_ring(rest[0], int(rest[1]))
     elif role == "vllm":
-        stamps = _receive_vllm(rest[0], int(rest[1]))
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        queue = MessageQueue.create_from_handle(pickle.loads(base64.b64decode(rest[2])), 0)
+
+        def get(_sock) -> np.ndarray:
+            return queue.dequeue(timeout=CHILD_TIMEOUT_S)
+
+        stamps = _receive(rest[0], int(rest[1]), get, queue.wait_until_ready)
     else:
-        stamps = _receive_pickled(rest[0], int(rest[1]))
+        stamps = _receive(rest[0], int(rest[1]), lambda sock: pickle.loads(sock.recv()))
     sys.stdout.write(msgspec.json.encode(stamps).decode() + "\n")
 
 
@@ -184,42 +189,58 @@ def _shm_ring(array: np.ndarray, iters: int, warmup: int, *, inplace: bool = Fal
         return _one_way_ms(sent, _stamps(proc), warmup)
 
 
-def _vllm(array: np.ndarray, iters: int, warmup: int) -> list[float]:
-    count = iters + warmup
-    with BroadcastQueue.create(run_id=f"bench{secrets.token_hex(3)}", num_readers=1) as queue:
-        handle = base64.b64encode(msgspec.msgpack.encode(queue.handle)).decode()
-        proc = _spawn("vllm", handle, count)
-        queue.wait_until_ready(CHILD_TIMEOUT_S)
-        sent = []
-        for _ in range(count):
-            queue.wait_read(CHILD_TIMEOUT_S)  # untimed: the reader is idle again
-            sent.append(time.perf_counter_ns())
-            queue.enqueue(array)
-        return _one_way_ms(sent, _stamps(proc), warmup)
-
-
-def _pickled_zmq(array: np.ndarray, iters: int, warmup: int) -> list[float]:
-    import zmq
-
-    count = iters + warmup
+@contextlib.contextmanager
+def _acked():
+    """A bound PAIR socket for the receiver's acks, and its endpoint."""
     tmp = tempfile.mkdtemp(prefix="gramcoord-bench-")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     try:
         sock.bind(f"ipc://{tmp}/s")
-        proc = _spawn("pickled", sock.getsockopt_string(zmq.LAST_ENDPOINT), count)
-        sent = []
-        for i in range(count):
-            if i:
-                sock.recv()  # untimed: the receiver's ack
-            sent.append(time.perf_counter_ns())
-            sock.send(pickle.dumps(array, protocol=pickle.HIGHEST_PROTOCOL))
-        sock.recv()
-        return _one_way_ms(sent, _stamps(proc), warmup)
+        yield sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
     finally:
         sock.close(linger=0)
         ctx.term()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ack(sock) -> None:
+    if not sock.poll(CHILD_TIMEOUT_S * 1000):
+        raise TimeoutError("the benchmark receiver did not answer in time")
+    sock.recv()
+
+
+def _sends(sock, proc, send, count: int, warmup: int) -> list[float]:
+    """``send()`` ``count`` times, each after the receiver's ack of the one before
+    (untimed: it is idle again); the one-way samples."""
+    sent = []
+    for i in range(count):
+        if i:
+            _ack(sock)
+        sent.append(time.perf_counter_ns())
+        send()
+    _ack(sock)
+    return _one_way_ms(sent, _stamps(proc), warmup)
+
+
+def _vllm(array: np.ndarray, iters: int, warmup: int) -> list[float]:
+    with _acked() as (sock, endpoint), vllm_queue(1) as queue:
+        handle = base64.b64encode(pickle.dumps(queue.export_handle())).decode()
+        proc = _spawn("vllm", endpoint, iters + warmup, handle)
+        _ack(sock)  # attached: its subscription is on the way
+        queue.wait_until_ready()
+        return _sends(sock, proc, partial(queue.enqueue, array), iters + warmup, warmup)
+
+
+def _pickled_zmq(array: np.ndarray, iters: int, warmup: int) -> list[float]:
+    with _acked() as (sock, endpoint):
+        proc = _spawn("pickled", endpoint, iters + warmup)
+        _ack(sock)  # attached
+
+        def send() -> None:
+            sock.send(pickle.dumps(array, protocol=pickle.HIGHEST_PROTOCOL))
+
+        return _sends(sock, proc, send, iters + warmup, warmup)
 
 
 def _memcpy(array: np.ndarray, dst: np.ndarray, iters: int, warmup: int) -> list[float]:
@@ -255,6 +276,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     if min(opts.iters, opts.rounds) < 1 or opts.warmup < 0:
         parser.error("--iters and --rounds must be >= 1, --warmup >= 0")
     per_round = -(-opts.iters // opts.rounds)
+    methods = [m for m in METHODS if HAS_VLLM or m != "vllm_shm_broadcast"]
     records = []
     for rows in (int(r) for r in opts.rows.split(",")):
         array = _mask(rows)
@@ -262,50 +284,46 @@ def run(args: list[str]) -> list[BenchRecord]:
         dst = np.empty_like(array)
         # Every method takes its samples in each of several rounds, in turn,
         # so a load change on the shared machine hits all of them alike.
-        samples: dict[str, list[float]] = {m: [] for m in ("memcpy", *METHODS)}
+        samples: dict[str, list[float]] = {m: [] for m in ("memcpy", *methods)}
         for _ in range(opts.rounds):
             samples["memcpy"] += _memcpy(array, dst, per_round, opts.warmup)
-            for m in METHODS:
+            for m in methods:
                 samples[m] += _measure(m, array, per_round, opts.warmup)
         ms = {m: statistics.median(v) for m, v in samples.items()}
-        memcpy = ms.pop("memcpy")
-        gb = {m: _gbps(array.nbytes, t) for m, t in {**ms, "memcpy": memcpy}.items()}
+        gb = {m: _gbps(array.nbytes, t) for m, t in ms.items()}
         ours = ms["shm_ring"]
-        records.append(
-            BenchRecord.compare(
-                f"shm_ring_inplace{shape}",
+        # (record, baseline, ours' method, target, note)
+        pairs = [
+            (
+                "shm_ring_inplace",
                 "vllm_shm_broadcast",
-                ms["shm_ring_inplace"],
-                ms["vllm_shm_broadcast"],
-                target=TARGETS["vllm_shm_broadcast"],
-                note=(
-                    "gramcoord's own path: the mask was filled into the ring slot, publish "
-                    "only announces it; vLLM must pickle and copy the finished mask"
-                ),
+                "shm_ring_inplace",
+                TARGETS["vllm_shm_broadcast"],
+                "gramcoord's own path: the mask was filled into the ring slot, publish "
+                "only announces it; vLLM must pickle and copy the finished mask",
             )
-        )
+        ]
         for method in METHODS[2:]:
             name = "shm_ring" if method == "vllm_shm_broadcast" else f"shm_ring_vs_{method}"
+            note = f"one-way, publish copies the rows in; shm {gb['shm_ring']:.2f} GB/s"
+            if method in gb:
+                note += f", {method} {gb[method]:.2f} GB/s"
+            # The copy path's target against vLLM is the in-place row's.
+            target = None if method == "vllm_shm_broadcast" else TARGETS.get(method)
+            pairs.append((name, method, "shm_ring", target, note))
+        for name, base, mine, target, note in pairs:
+            if base not in ms:
+                records.append(BenchRecord.needs_vllm(name + shape, base, "transport", target))
+                continue
             records.append(
-                BenchRecord.compare(
-                    f"{name}{shape}",
-                    method,
-                    ours,
-                    ms[method],
-                    # The copy path's target is the in-place row above.
-                    target=None if method == "vllm_shm_broadcast" else TARGETS.get(method),
-                    note=(
-                        f"one-way, publish copies the rows in; shm {gb['shm_ring']:.2f} GB/s, "
-                        f"{method} {gb[method]:.2f} GB/s"
-                    ),
-                )
+                BenchRecord.compare(name + shape, base, ms[mine], ms[base], target, note)
             )
         records.append(
             BenchRecord.compare(
                 f"shm_ring_bandwidth{shape}",
                 "memcpy",
                 ours,
-                memcpy,
+                ms["memcpy"],
                 target=0.5,
                 note=(
                     f"ratio = memcpy ms / shm ms = shm GB/s / memcpy GB/s; >=0.5 means shm "

@@ -26,8 +26,7 @@ signal handlers: mappings stay valid until their users drop them.
 
 :class:`~gramcoord.sync.segment.Segment` registers each segment it creates
 with :func:`janitor`, :class:`~gramcoord.sync.control.ControlServer` its
-ipc directory; ``benchmarks/vllm_shm_queue.py`` does the same for its
-baseline's files.
+ipc directory.
 """
 
 from __future__ import annotations

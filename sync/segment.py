@@ -6,8 +6,7 @@ with the janitor, which removes it in every exit path, and attaching
 processes register nothing, so they can neither unlink the segment nor warn
 about it at exit.
 
-:class:`~gramcoord.sync.ring.BitmaskRing` creates and attaches its segment
-here; so does the shared-memory baseline in ``benchmarks/vllm_shm_queue.py``.
+:class:`~gramcoord.sync.ring.BitmaskRing` creates and attaches its segment here.
 """
 
 from __future__ import annotations

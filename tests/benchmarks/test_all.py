@@ -4,6 +4,7 @@ tiny arguments, one that fails, one past its deadline.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import msgspec
@@ -59,7 +60,14 @@ def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(
     assert err["error"].startswith("exit 2:") and "--repeat" in err["error"]
     assert err["met"] is False
     transport = by_bench["transport"]
-    assert transport and all(r["error"] is None and r["median_ms"] > 0 for r in transport)
+    assert transport and all(r["error"] is None for r in transport)
+    # vLLM's own queue is the baseline of the rows skipped where vLLM is not
+    # importable (the main venv); they say so and carry no figure.
+    skipped = [r for r in transport if r["skipped"] is not None]
+    assert bool(skipped) == (importlib.util.find_spec("vllm") is None)
+    assert {r["baseline"] for r in skipped} <= {"vllm_shm_broadcast"}
+    assert all(r["skipped"].startswith("needs vLLM") and r["met"] is None for r in skipped)
+    assert all(r["median_ms"] > 0 for r in transport if r not in skipped)
     # Each benchmark's own output stays beside the merged one.
     assert json.loads((out / "transport" / "bench.json").read_text()) == transport
     assert "invalid int value" in (out / "compile" / "log.txt").read_text()
@@ -68,6 +76,7 @@ def test_a_failing_benchmark_is_an_error_row_and_the_others_still_run(
     assert runs["transport"]["num_records"] == len(transport)
     md = (out / "bench.md").read_text()
     assert "**ERROR**" in md and "| transport | shm_ring[8x4748] |" in md
+    assert ("| skipped | needs vLLM" in md) == bool(skipped)
     # The page gets bench.md's tables under the command and the commit.
     meta = json.loads((out / "bench_meta.json").read_text())
     assert meta["command"].startswith("gramcoord bench all --out ")
