@@ -72,7 +72,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
 # The full plans took 166 s on the shared 2-core machine when quiet and 499 s
 # at load 8-15 (per benchmark: each run's bench_runs.json); each timeout is about
 # twice a benchmark's loaded wall time. A benchmark without a plan runs with
-# its defaults. Trimmed: compile's thread-vs-subprocess row (30 -> 10 schemas).
+# its defaults. Trimmed: compile's cold-compile row (30 -> 10 schemas).
 PLANS: dict[str, Plan] = {
     "agreement": Plan(quick=("--worlds", "2", "--pending", "64", "--repeat", "11"), timeout_s=180),
     "compile": Plan(args=("--schemas", "10"), quick=("--repeat", "5", "--schemas", "8")),

@@ -24,14 +24,6 @@ Rows (real Qwen2.5 vocabulary):
   compile of a dev schema new to both compilers, with xgrammar's cache on
   (the manager's setting) and off, order
   alternated. Reported only; it is why the cache is on.
-- ``thread_compile`` vs ``subprocess_compile``: a dev schema compiled in a
-  worker thread against the same compile in a persistent worker process
-  (``CompileWorker``: the spec text in, length-prefixed, on its stdin; a
-  status byte, a length and ``CompiledGrammar.serialize_json()`` or the
-  error back on its stdout, ``deserialize_json`` here; nothing pickled;
-  this file is also the worker's program), both with the settings of the
-  manager's compilers; the worker's start-up is in the note, not in the
-  medians.
 
 vLLM's per-request path (``VllmRefail``) is read from vLLM's
 ``structured_output/backend_xgrammar.py`` and ``utils.py`` and
@@ -47,12 +39,8 @@ import argparse
 import contextlib
 import itertools
 import json
-import os
 import statistics
-import struct
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,13 +59,13 @@ from gramcoord.benchmarks._contract import (
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.schema_walk import SUPPORTED_FORMATS
-from gramcoord.rank_worker.grammars.tokenizer import Tokenizer, load_tokenizer
+from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 
 _counter = itertools.count()
 BAD_EBNF = {"grammar": "root ::= missing_rule"}
-# Slower labelled compiles are left out of the ship row to keep the run
-# short: one labelled at 0.9 s took 14 s with this vocabulary.
-_SHIP_LABEL_MS = 500.0
+# Slower labelled compiles are left out of the cold-compile row to keep the
+# run short: one labelled at 0.9 s took 14 s with this vocabulary.
+_SAMPLE_LABEL_MS = 500.0
 
 
 def _schema(tag: str) -> dict:
@@ -217,86 +205,6 @@ class VllmRefail:
 
 # The manager's compilers (compile_service.XGrammarBackend).
 OUR_COMPILER = dict(max_threads=1, cache_enabled=True, cache_limit_bytes=256 << 20)
-WORKER_FLAG = "--compile-worker"
-_RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
-
-
-def worker_main() -> None:
-    """The compile process: frames on the original stdout, anything native
-    code prints goes to stderr."""
-    frames = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    tokenizer = load_tokenizer()
-    compiler = xgr.GrammarCompiler(tokenizer.info, **OUR_COMPILER)
-    specs = sys.stdin.buffer
-    frames.write(b"R")
-    frames.flush()
-    while len(head := specs.read(4)) == 4:
-        text = specs.read(struct.unpack("<I", head)[0]).decode("utf-8")
-        try:
-            status, blob = 0, compiler.compile_json_schema(text).serialize_json().encode()
-        except Exception as exc:
-            status, blob = 1, str(exc).encode()
-        frames.write(struct.pack("<BQ", status, len(blob)))
-        frames.write(blob)
-        frames.flush()
-
-
-class CompileWorker:
-    """A persistent compile process: spec text in, ``serialize_json`` out,
-    length-prefixed over its stdin and stdout (nothing pickled)."""
-
-    def __init__(self) -> None:
-        # The worker's stderr, read back only to explain a worker that died.
-        self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        t0 = time.perf_counter()
-        # Run this file as __main__ in isolated mode (-I): the folder of the
-        # file is not put on sys.path, where its modules could shadow others.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _RUN_FILE, str(Path(__file__).resolve()), WORKER_FLAG],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-        )
-        try:
-            self._read(1)
-        except BaseException:
-            self.close()
-            raise
-        self.start_ms = (time.perf_counter() - t0) * 1e3
-        self.last_bytes = 0
-
-    def _read(self, n: int) -> bytes:
-        data = self.proc.stdout.read(n)
-        if len(data) < n:
-            self._err.seek(0)
-            tail = self._err.read().decode(errors="replace")[-2000:]
-            raise RuntimeError(f"compile worker exited ({self.proc.poll()}): {tail}")
-        return data
-
-    def compile(self, text: str, tokenizer: Tokenizer) -> xgr.CompiledGrammar:
-        data = text.encode("utf-8")
-        self.proc.stdin.write(struct.pack("<I", len(data)) + data)
-        self.proc.stdin.flush()
-        status, size = struct.unpack("<BQ", self._read(9))
-        blob = self._read(size).decode("utf-8")
-        if status:
-            raise RuntimeError(blob)
-        self.last_bytes = size
-        return xgr.CompiledGrammar.deserialize_json(blob, tokenizer.info)
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-            # It exits on end of input; a loaded machine may take a while to
-            # let it (interpreter teardown), so the kill is a late backstop.
-            self.proc.wait(timeout=120)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        finally:
-            self.proc.stdout.close()
-            self._err.close()
 
 
 # -- the rows ----------------------------------------------------------------------
@@ -465,7 +373,7 @@ def _dedup_row(manager: GrammarManager, tokenizer, cfg: GrammarConfig, n: int, r
     )
 
 
-# -- thread vs a persistent compile process ------------------------------------
+# -- cold compiles: xgrammar's cache on and off -----------------------------------
 
 
 def _sample(data: Path, limit: int) -> list[str]:
@@ -475,49 +383,8 @@ def _sample(data: Path, limit: int) -> list[str]:
     return [
         json.dumps(rec["schema"])
         for rec, label in records[::step]
-        if label.get("status") == "ok" and label.get("compile_ms", 1e9) <= _SHIP_LABEL_MS
+        if label.get("status") == "ok" and label.get("compile_ms", 1e9) <= _SAMPLE_LABEL_MS
     ][:limit]
-
-
-def _ship_row(tokenizer, data: Path, limit: int, repeat: int) -> BenchRecord:
-    compiler = xgr.GrammarCompiler(tokenizer.info, **OUR_COMPILER)
-    pool = ThreadPoolExecutor(1)
-    worker = CompileWorker()
-    thread_ms, proc_ms, sizes = [], [], []
-    try:
-        for text in _sample(data, limit):
-            t_thread, t_proc = [], []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                try:
-                    pool.submit(compiler.compile_json_schema, text).result()
-                except Exception:
-                    break  # refused by this xgrammar: nothing to ship
-                t1 = time.perf_counter()
-                worker.compile(text, tokenizer)
-                t_thread.append((t1 - t0) * 1e3)
-                t_proc.append((time.perf_counter() - t1) * 1e3)
-            if t_thread:
-                thread_ms.append(statistics.median(t_thread))
-                proc_ms.append(statistics.median(t_proc))
-                sizes.append(worker.last_bytes)
-    finally:
-        pool.shutdown()
-        worker.close()
-    ratios = sorted(p / t for p, t in zip(proc_ms, thread_ms))
-    return BenchRecord.compare(
-        "thread_compile",
-        "subprocess_compile",
-        statistics.median(thread_ms),
-        statistics.median(proc_ms),
-        note=(
-            f"median of {len(thread_ms)} dev schemas (labelled <= {_SHIP_LABEL_MS:g} ms), "
-            f"{repeat} repeat(s) each; per-schema ratio {ratios[0]:.2f}-{ratios[-1]:.2f}x "
-            f"(median {statistics.median(ratios):.2f}x); serialized grammar median "
-            f"{statistics.median(sizes) / 1e6:.2f} MB, largest {max(sizes) / 1e6:.0f} MB; "
-            f"worker start (spawn, tokenizer) {worker.start_ms:.0f} ms, not in the medians"
-        ),
-    )
 
 
 def _cold_cache_row(tokenizer, data: Path, limit: int) -> BenchRecord:
@@ -550,9 +417,7 @@ def run(args: list[str]) -> list[BenchRecord]:
     p = argparse.ArgumentParser(prog="bench compile")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--n", type=int, default=8, help="concurrent identical requests")
-    p.add_argument("--schemas", type=int, default=30, help="dev schemas for the ship row")
-    # One: with xgrammar's cache on (both sides), a repeat is a cache hit.
-    p.add_argument("--ship-repeat", type=int, default=1, help="repeats per ship-row schema")
+    p.add_argument("--schemas", type=int, default=30, help="dev schemas for the cold-compile row")
     add_data_arg(p)
     opts = p.parse_args(args)
     data, tok = opts.data, load_tokenizer()
@@ -587,12 +452,6 @@ def run(args: list[str]) -> list[BenchRecord]:
         lap("dedup")
     finally:
         manager.close()
-    records.append(_ship_row(tok, data, opts.schemas, opts.ship_repeat))
-    lap("thread_compile")
     records.append(_cold_cache_row(tok, data, opts.schemas))
     lap("cold_compile_xgr_cache")
     return records
-
-
-if __name__ == "__main__" and sys.argv[-1] == WORKER_FLAG:
-    worker_main()

@@ -2,9 +2,7 @@
 
 - ``xgrammar_unsupported`` and ``likely_lark`` give vLLM's verdicts
   (``has_xgrammar_unsupported_json_features``, ``grammar_is_likely_lark``);
-- ``VllmRefail`` rejects a bad spec where vLLM does and passes a good one;
-- ``CompileWorker`` ships a real compile back from a real process, reports
-  a refused spec, and leaves no process behind.
+- ``VllmRefail`` rejects a bad spec where vLLM does and passes a good one.
 """
 
 from __future__ import annotations
@@ -12,15 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import xgrammar as xgr
 
 from gramcoord.benchmarks import compile as bench
-from gramcoord.benchmarks.compile import (
-    CompileWorker,
-    VllmRefail,
-    likely_lark,
-    xgrammar_unsupported,
-)
+from gramcoord.benchmarks.compile import VllmRefail, likely_lark, xgrammar_unsupported
 from gramcoord.launch.workload import dev_data_dir
 
 STR = {"type": "string"}
@@ -105,26 +97,3 @@ def test_bad_dev_specs_are_refused_by_vllm(qwen_tokenizer):
     assert specs, "the dev data holds schemas xgrammar refuses"
     vllm = VllmRefail(qwen_tokenizer)
     assert all(vllm(s) for s in specs)
-
-
-@pytest.mark.timeout(120)
-def test_compile_worker_ships_a_real_compile(qwen_tokenizer):
-    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
-    worker = CompileWorker()
-    try:
-        assert worker.start_ms > 0
-        compiled = worker.compile(schema, qwen_tokenizer)
-        assert worker.last_bytes > 0
-        matcher = xgr.GrammarMatcher(compiled)
-        assert matcher.accept_string('{"a": 12}') and matcher.is_completed()
-        assert not xgr.GrammarMatcher(compiled).accept_string('{"a": "x"}')
-        with pytest.raises(RuntimeError, match="false"):
-            worker.compile(
-                json.dumps({"type": "object", "properties": {"a": False}, "required": ["a"]}),
-                qwen_tokenizer,
-            )
-        # A refused spec leaves the worker serving.
-        assert xgr.GrammarMatcher(worker.compile(schema, qwen_tokenizer)).accept_string("{}")
-    finally:
-        worker.close()
-    assert worker.proc.returncode == 0
