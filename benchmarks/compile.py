@@ -10,7 +10,8 @@ Rows (real Qwen2.5 vocabulary):
   refuses) through ``GrammarManager.add``, which fails it on its poisoned
   key (or in validation, before any key), against two baselines:
   ``vllm_refail``, vLLM's per-request path, which validates the spec again
-  and remembers no failure (``_vllm_path.VllmRefail``); and
+  and remembers no failure (``VllmRefail``: vLLM's own validation, so
+  these rows need vLLM; without it they are skipped, saying so); and
   ``sglang_cached_invalid``, the floor of SGLang's repeat, which finds an
   invalid-grammar object in its cache under the spec's text (one dict
   lookup). Target: < 1 ms, no compile.
@@ -25,10 +26,6 @@ Rows (real Qwen2.5 vocabulary):
   (the manager's setting) and off, order
   alternated. Reported only; it is why the cache is on.
 
-vLLM's per-request path (``VllmRefail``) is read from vLLM's
-``structured_output/backend_xgrammar.py`` and ``utils.py`` and
-re-implemented here, not copied.
-
 Usage: ``gramcoord bench compile [--out DIR] [-- --repeat R --n N]``.
 With the defaults it takes about 30 s on an idle 2-core machine.
 """
@@ -37,15 +34,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import itertools
 import json
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import xgrammar as xgr
 
@@ -58,7 +56,6 @@ from gramcoord.benchmarks._contract import (
 )
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.grammars.manager import GrammarManager
-from gramcoord.rank_worker.grammars.schema_walk import SUPPORTED_FORMATS
 from gramcoord.rank_worker.grammars.tokenizer import load_tokenizer
 
 _counter = itertools.count()
@@ -95,112 +92,53 @@ def _schema(tag: str) -> dict:
 # vLLM's XgrammarBackend compiler.
 VLLM_COMPILER = dict(max_threads=8, cache_enabled=True, cache_limit_bytes=512 << 20)
 
-_ARRAY_UNSUPPORTED = frozenset({"uniqueItems", "contains", "minContains", "maxContains"})
-
-
-def _types(node: dict) -> set[str]:
-    t = node.get("type")
-    if isinstance(t, str):
-        return {t}
-    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
-
-
-def _length_and_pattern(node: Any) -> bool:
-    return (
-        isinstance(node, dict)
-        and ("pattern" in node or "format" in node)
-        and ("minLength" in node or "maxLength" in node)
-    )
-
-
-def xgrammar_unsupported(schema: Any) -> bool:
-    """vLLM's pre-check for schema features xgrammar cannot honour
-    (``has_xgrammar_unsupported_json_features``), re-implemented: every
-    object of the tree is visited, lists descended one level as vLLM does."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        types = _types(node)
-        if types & {"integer", "number"} and "multipleOf" in node:
-            return True
-        if "array" in types and node.keys() & _ARRAY_UNSUPPORTED:
-            return True
-        if "string" in types and "format" in node and node["format"] not in SUPPORTED_FORMATS:
-            return True
-        if "string" in types and _length_and_pattern(node):
-            return True
-        if "object" in types:
-            names = node.get("propertyNames")
-            if _length_and_pattern(names):
-                return True
-            if "propertyNames" in node and (
-                "properties" in node
-                or "patternProperties" in node
-                or isinstance(node.get("additionalProperties"), dict)
-                or node.get("unevaluatedProperties", True) is not True
-            ):
-                return True
-            pattern_props = node.get("patternProperties")
-            if isinstance(pattern_props, dict) and ("properties" in node or len(pattern_props) > 1):
-                return True
-        for value in node.values():
-            if isinstance(value, dict):
-                stack.append(value)
-            elif isinstance(value, list):
-                stack.extend(v for v in value if isinstance(v, dict))
-    return False
-
-
-def likely_lark(text: str) -> bool:
-    # vLLM's grammar_is_likely_lark: EBNF once any line, comments cut, has "::=".
-    for line in text.split("\n"):
-        line = line.split("#", 1)[0].split("//", 1)[0]
-        if "::=" in line:
-            return False
-    return True
-
 
 class VllmRefail:
-    """vLLM's per-request path for a structured-output spec: the frontend
-    validates every request (``validate_xgrammar_grammar``) and rejects it
-    there (a JSON schema: the unsupported-feature walk, then
-    ``Grammar.from_json_schema``; a grammar: ``Grammar.from_ebnf`` or
-    ``from_lark``). Only a spec that passes reaches the engine's compiler
-    (``VLLM_COMPILER``: ``max_threads=8``, cache on, ``VLLM_XGRAMMAR_CACHE_MB``
-    = 512 MiB). Nothing remembers a failure, so a repeat is validated again
-    from scratch and fails the same way."""
+    """vLLM's per-request path for a structured-output spec, run from vLLM
+    itself: its frontend validates every request
+    (``validate_xgrammar_grammar`` of ``vllm.v1.structured_output.
+    backend_xgrammar``: for a JSON schema the unsupported-feature walk and
+    ``Grammar.from_json_schema``; for a grammar ``from_ebnf`` or ``from_lark``)
+    and rejects it there. Only a spec that passes reaches the engine's
+    compiler (``VLLM_COMPILER``: ``max_threads=8``, cache on,
+    ``VLLM_XGRAMMAR_CACHE_MB`` = 512 MiB). Nothing remembers a failure, so a
+    repeat is validated again from scratch and fails the same way. The
+    request's ``SamplingParams`` are built once per spec, outside the timing."""
 
     def __init__(self, tokenizer) -> None:
+        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+        from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+        self._validate = validate_xgrammar_grammar
+        self._params = lambda spec: SamplingParams(
+            structured_outputs=StructuredOutputsParams(**spec)
+        )
         self.compiler = xgr.GrammarCompiler(tokenizer.info, **VLLM_COMPILER)
 
-    def __call__(self, spec: dict) -> str:
-        """Where ``spec`` fails: ``"validation"`` or ``"compile"``; ``""``
-        when vLLM would accept it."""
-        try:
-            if "json" in spec:
-                schema = spec["json"]
-                if isinstance(schema, str):
-                    schema = json.loads(schema)
-                if xgrammar_unsupported(schema):
-                    return "validation"
-                xgr.Grammar.from_json_schema(schema)
-            elif likely_lark(spec["grammar"]):
-                xgr.Grammar.from_lark(spec["grammar"])
-            else:
-                xgr.Grammar.from_ebnf(spec["grammar"])
-        except Exception:
-            return "validation"
-        try:
-            if "json" in spec:
-                text = spec["json"] if isinstance(spec["json"], str) else json.dumps(spec["json"])
-                self.compiler.compile_json_schema(text)
-            else:
-                self.compiler.compile_grammar(spec["grammar"])
-        except Exception:
-            return "compile"
-        return ""
+    def request(self, spec: dict) -> Callable[[], str]:
+        """A request of ``spec`` (its ``SamplingParams`` built now); each call
+        runs vLLM's path and says where it fails: ``"validation"`` or
+        ``"compile"``, ``""`` when vLLM would accept it."""
+        params = self._params(spec)
+
+        def path() -> str:
+            try:
+                self._validate(params)
+            except Exception:
+                return "validation"
+            try:
+                if "json" in spec:
+                    text = spec["json"]
+                    self.compiler.compile_json_schema(
+                        text if isinstance(text, str) else json.dumps(text)
+                    )
+                else:
+                    self.compiler.compile_grammar(spec["grammar"])
+            except Exception:
+                return "compile"
+            return ""
+
+        return path
 
 
 # The manager's compilers (compile_service.XGrammarBackend).
@@ -242,12 +180,18 @@ def _poison_rows(manager: GrammarManager, tokenizer, data: Path, repeat: int) ->
     """Per bad-spec set, two rows: against vLLM's re-validation, and against
     the floor of SGLang's repeat, which finds an invalid-grammar object under
     ``(kind, spec text)`` in its grammar cache (one dict lookup; SGLang's
-    own request handling is not counted)."""
-    vllm = VllmRefail(tokenizer)
+    own request handling is not counted). Without vLLM the first is skipped
+    and every bad spec is measured."""
+    vllm = VllmRefail(tokenizer) if importlib.util.find_spec("vllm") else None
+    stock = xgr.GrammarCompiler(tokenizer.info, **VLLM_COMPILER)
     rows = []
     for name, specs in (("ebnf", [BAD_EBNF]), ("dev", _bad_dev_specs(data))):
-        where = [vllm(s) for s in specs]
-        specs = [s for s, w in zip(specs, where) if w]
+        requests = [vllm.request(s) for s in specs] if vllm else [lambda: "?"] * len(specs)
+        where = [r() for r in requests]
+        specs, requests = (
+            [s for s, w in zip(specs, where) if w],
+            [r for r, w in zip(requests, where) if w],
+        )
         if not specs:
             print(f"poisoned_repeat_{name}: no spec vLLM rejects; row skipped", file=sys.stderr)
             continue
@@ -259,24 +203,24 @@ def _poison_rows(manager: GrammarManager, tokenizer, data: Path, repeat: int) ->
         sglang = {_spec_text(s): "invalid" for s in specs}
         times: list[tuple[float, ...]] = []
         paths, first_raise = [], []
-        for spec in specs:
+        for spec, request in zip(specs, requests):
             paths.append(manager.add(f"p{next(_counter)}", spec).cache)
             kind, text = _spec_text(spec)
 
             def ours(spec=spec) -> None:
                 assert manager.add(f"p{next(_counter)}", spec).status == "failed"
 
-            def refail(spec=spec) -> None:
-                assert vllm(spec)
+            def refail(request=request) -> None:
+                assert request()
 
             def cached(kind=kind, text=text, sglang=sglang) -> None:
                 # A new request's text is a new string, hashed afresh.
                 assert sglang.get((kind, (text + " ")[:-1])) == "invalid"
 
             def recompile(kind=kind, text=text) -> None:
-                compile_ = vllm.compiler.compile_json_schema
+                compile_ = stock.compile_json_schema
                 if kind == "ebnf":
-                    compile_ = vllm.compiler.compile_grammar
+                    compile_ = stock.compile_grammar
                 try:
                     compile_(text)
                 except Exception:
@@ -284,28 +228,34 @@ def _poison_rows(manager: GrammarManager, tokenizer, data: Path, repeat: int) ->
                 raise AssertionError("the bad spec compiled")
 
             first_raise.append(median_ms(recompile, repeat=1, warmup=0))
-            times.append(tuple(round_robin_ms([ours, refail, cached, recompile], repeat=repeat)))
-        ours_ms, vllm_ms, sglang_ms, again_ms = (statistics.median(c) for c in zip(*times))
-        ratios = [t[1] / t[0] for t in times]
+            fns = [ours, cached, recompile, *([refail] if vllm else [])]
+            times.append(tuple(round_robin_ms(fns, repeat=repeat)))
+        ours_ms, sglang_ms, again_ms, *vllm_ms = (statistics.median(c) for c in zip(*times))
         note = (
             f"{len(specs)} bad spec(s), median over specs; ours fails them as "
             f"{dict(sorted((p, paths.count(p)) for p in set(paths)))} ('none': our "
             f"validation rejects it, no key); vLLM rejects {where.count('validation')} in "
             f"validation, {where.count('compile')} in compile"
         )
-        rows += [
-            BenchRecord.compare(
-                f"poisoned_repeat_{name}",
-                "vllm_refail",
-                ours_ms,
-                vllm_ms,
-                target_ms=1.0,
-                note=(
-                    f"{note}; per-spec ratio {min(ratios):.2f}-{max(ratios):.2f}x, ours at most "
-                    f"{max(t[0] for t in times):.3f} ms; vLLM "
-                    "validates every request again and remembers no failure"
-                ),
-            ),
+        if not vllm:
+            rows.append(BenchRecord.needs_vllm(f"poisoned_repeat_{name}", "vllm_refail", "compile"))
+        else:
+            ratios = [t[3] / t[0] for t in times]
+            rows.append(
+                BenchRecord.compare(
+                    f"poisoned_repeat_{name}",
+                    "vllm_refail",
+                    ours_ms,
+                    vllm_ms[0],
+                    target_ms=1.0,
+                    note=(
+                        f"{note}; per-spec ratio {min(ratios):.2f}-{max(ratios):.2f}x, ours at "
+                        f"most {max(t[0] for t in times):.3f} ms; vLLM "
+                        "validates every request again and remembers no failure"
+                    ),
+                )
+            )
+        rows.append(
             BenchRecord.compare(
                 f"poisoned_repeat_{name}",
                 "sglang_cached_invalid",
@@ -318,8 +268,8 @@ def _poison_rows(manager: GrammarManager, tokenizer, data: Path, repeat: int) ->
                     f"the failure, re-raising in {again_ms:.3f} ms (first raise "
                     f"{statistics.median(first_raise):.3f} ms)"
                 ),
-            ),
-        ]
+            )
+        )
     return rows
 
 

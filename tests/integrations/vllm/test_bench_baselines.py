@@ -1,4 +1,4 @@
-"""The benchmarks whose baseline is vLLM's own broadcast queue, run with vLLM.
+"""The benchmarks whose baseline is vLLM's own code, run with vLLM.
 
 ``gramcoord bench transport`` and ``gramcoord bench step`` send through
 ``vllm.distributed.device_communicators.shm_broadcast.MessageQueue`` (the
@@ -8,13 +8,16 @@ suite checks (``tests/benchmarks``). Here they run: the transport rows have
 figures, for a mask in the pickle stream (8 rows) and one sent out of band
 (64 rows, over 1 MiB); the vLLM-style step loop produces the same outputs
 as ours and the SGLang-style loop in a dp=2 x tp=2 gloo world; and neither
-leaves a segment in /dev/shm or a socket in the temp dir.
+leaves a segment in /dev/shm or a socket in the temp dir. ``bench
+compile``'s ``VllmRefail`` (vLLM's own per-request validation, then its
+compiler settings) rejects the bad specs where vLLM does and passes good ones.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -28,8 +31,10 @@ if importlib.util.find_spec("vllm") is None:
         "vLLM is not installed (make test runs these in .venv-vllm)", allow_module_level=True
     )
 
+from gramcoord.benchmarks import compile as compile_bench
 from gramcoord.benchmarks import step as bench
 from gramcoord.benchmarks import transport
+from gramcoord.launch.workload import dev_data_dir
 from tests.benchmarks.test_step_bench import way_outputs, world
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
@@ -80,3 +85,34 @@ def test_three_ways_agree_in_a_dp2_tp2_world(run_id, no_leaks):
     assert all(o.status == "ok" and o.token_ids for o in outputs.values())
     assert all(r.skipped is None and r.median_ms > 0 for r in records)
     assert all(r.baseline_median_ms > 0 for r in records)
+
+
+STR = {"type": "string"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "where"),
+    [
+        pytest.param(compile_bench.BAD_EBNF, "validation", id="undefined-rule"),
+        pytest.param({"grammar": 'root ::= "a"'}, "", id="good-ebnf"),
+        pytest.param({"json": {"type": "integer", "multipleOf": 3}}, "validation", id="walk"),
+        pytest.param(
+            {"json": {"type": "object", "properties": {"a": False}, "required": ["a"]}},
+            "validation",
+            id="unsatisfiable",
+        ),
+        pytest.param({"json": {"type": "object", "properties": {"a": STR}}}, "", id="good"),
+        pytest.param({"json": json.dumps({"type": "boolean"})}, "", id="good-text"),
+    ],
+)
+def test_vllm_refail_rejects_where_vllm_does(tiny_tokenizer, spec, where):
+    request = compile_bench.VllmRefail(tiny_tokenizer).request(spec)
+    assert request() == where
+    assert request() == where  # nothing is remembered: the same verdict again
+
+
+def test_bad_dev_specs_are_refused_by_vllm(qwen_tokenizer):
+    specs = compile_bench._bad_dev_specs(dev_data_dir())
+    assert specs, "the dev data holds schemas xgrammar refuses"
+    vllm = compile_bench.VllmRefail(qwen_tokenizer)
+    assert all(vllm.request(s)() for s in specs)
