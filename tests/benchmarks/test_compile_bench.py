@@ -3,7 +3,7 @@
 Their ``vllm_refail`` baseline is vLLM's own validation (``VllmRefail``;
 checked with vLLM in ``tests/integrations/vllm/test_bench_baselines.py``):
 without vLLM those rows say they need it, and the SGLang rows still measure
-ours on every bad spec.
+ours on every bad spec. With vLLM the same check runs in the vLLM suite.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from gramcoord.rank_worker.grammars.manager import GrammarManager
 
 
 def test_poisoned_rows_skip_vllm_where_it_is_missing(qwen_tokenizer):
+    check_poisoned_rows(qwen_tokenizer)
+
+
+def check_poisoned_rows(qwen_tokenizer) -> None:
+    """Both rows per bad-spec set; the vLLM ones measured or skipped as vLLM is here
+    or not (the vLLM suite runs this with vLLM)."""
     manager = GrammarManager(GrammarConfig(num_compile_workers=1), qwen_tokenizer)
     try:
         rows = bench._poison_rows(manager, qwen_tokenizer, dev_data_dir(), repeat=1)

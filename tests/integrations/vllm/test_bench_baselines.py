@@ -35,6 +35,7 @@ from gramcoord.benchmarks import compile as compile_bench
 from gramcoord.benchmarks import step as bench
 from gramcoord.benchmarks import transport
 from gramcoord.launch.workload import dev_data_dir
+from tests.benchmarks.test_compile_bench import check_poisoned_rows
 from tests.benchmarks.test_step_bench import way_outputs, world
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
@@ -109,6 +110,10 @@ def test_vllm_refail_rejects_where_vllm_does(tiny_tokenizer, spec, where):
     request = compile_bench.VllmRefail(tiny_tokenizer).request(spec)
     assert request() == where
     assert request() == where  # nothing is remembered: the same verdict again
+
+
+def test_poisoned_rows_measure_vllms_own_validation(qwen_tokenizer):
+    check_poisoned_rows(qwen_tokenizer)
 
 
 def test_bad_dev_specs_are_refused_by_vllm(qwen_tokenizer):
