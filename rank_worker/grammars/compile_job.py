@@ -30,14 +30,34 @@ deadline. Hence two readings:
   computes is charged every CPU-second. A compile that slept since the last
   exact reading is charged that sleep at the next one.
 
+A compile may run on more threads than the pool's: vLLM's lone compile
+gives xgrammar every CPU, and xgrammar starts its threads inside the call
+while the pool thread sleeps until they end. Read alone, that sleeping
+thread charged the compile every second its workers spent queued for a
+CPU: with six busy processes beside vLLM's server, a dev schema that
+compiles in seconds timed out at its 20-second deadline. So the
+reading covers the compile's threads (``read_compile_threads``): the one
+that called the compile and every thread started since under its name (a
+new thread inherits its creator's name, and ``name_compile_thread`` gives
+each compile thread one of its own). Both rules above hold for a set, each
+a lower bound:
+
+- no thread is runnable: the wall clock less the sum of the waits that
+  ended (two waits at once are subtracted twice: less, never more);
+- else the last bound plus the most CPU any one thread had since: while a
+  thread was on a CPU the compile was not waiting for one. While it
+  computes, a compile is charged no more than its busiest thread, so never
+  more than one thread doing all the work would be.
+
+A thread that ended keeps its last reading (a wait after it is missed).
 Where the files are missing (another OS, a kernel without
 ``CONFIG_SCHED_INFO``) there is no reading and the deadline is the wall
-clock. Our compiles are single-threaded (``max_threads=1``: the compile
-runs on the pool's thread), so the thread's times are the compile's.
+clock.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -58,8 +78,46 @@ class ThreadTimes(NamedTuple):
     runnable: bool
 
 
-# tid -> the thread's times, or None where the kernel does not say.
-ThreadReader = Callable[[int], "ThreadTimes | None"]
+# (the compile thread's id, the threads alive when the compile started) ->
+# the times of the compile's threads by id, or None where the kernel does
+# not say.
+ThreadReader = Callable[[int, frozenset[int]], "dict[int, ThreadTimes] | None"]
+
+# Names of compile threads: a prefix and a number unique in the process
+# (Linux keeps 15 bytes of a thread's name).
+THREAD_NAME = "gramcoord-c"
+_thread_numbers = itertools.count(1)
+_named = threading.local()
+
+
+def name_compile_thread() -> None:
+    """Give the calling thread a name no other thread of the process has
+    (once), so the threads a compile starts on it can be told apart from
+    every other thread's; a no-op where Linux's ``/proc`` is missing."""
+    if getattr(_named, "done", False):
+        return
+    _named.done = True
+    try:
+        with open("/proc/thread-self/comm", "w") as f:
+            f.write(f"{THREAD_NAME}{next(_thread_numbers)}")
+    except OSError:
+        pass
+
+
+def thread_ids() -> frozenset[int]:
+    """This process's threads now (none where ``/proc`` is missing)."""
+    try:
+        return frozenset(int(name) for name in os.listdir("/proc/self/task"))
+    except (OSError, ValueError):
+        return frozenset()
+
+
+def _thread_name(tid: int) -> bytes | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+            return f.read().rstrip(b"\n")
+    except OSError:
+        return None
 
 
 def read_thread_times(tid: int) -> ThreadTimes | None:
@@ -81,7 +139,25 @@ def read_thread_times(tid: int) -> ThreadTimes | None:
         return None
 
 
-def no_reading(tid: int) -> ThreadTimes | None:
+def read_compile_threads(tid: int, before: frozenset[int]) -> dict[int, ThreadTimes] | None:
+    """The compile thread ``tid`` and the threads started since ``before`` (the
+    threads alive at the compile's start) that carry its name, by id; None
+    when ``tid`` has no reading. Only a name ``name_compile_thread`` gave is
+    shared this way: otherwise ``tid`` is read alone."""
+    times = read_thread_times(tid)
+    if times is None:
+        return None
+    out = {tid: times}
+    name = _thread_name(tid)
+    if name is None or not name.startswith(THREAD_NAME.encode()):
+        return out
+    for other in thread_ids() - before - {tid}:
+        if _thread_name(other) == name and (reading := read_thread_times(other)) is not None:
+            out[other] = reading
+    return out
+
+
+def no_reading(tid: int, before: frozenset[int]) -> dict[int, ThreadTimes] | None:
     """No kernel reading: the deadline is the (injected) clock."""
     return None
 
@@ -92,14 +168,17 @@ class CompileJob:
     def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
         self.started_at: float | None = None
-        # The worker thread's native id, and its times at the start.
+        # The thread that runs the compile (its native id), the threads
+        # alive as it started, and its threads' times then (None: no reading).
         self.tid = 0
-        self.times_at_start: ThreadTimes | None = None
-        # The last own time known exactly, and the thread's CPU time then:
-        # while the thread is runnable, its own time is at least that plus
-        # the CPU it has had since.
-        self._exact_own_s = 0.0
-        self._exact_cpu_s = 0.0
+        self.threads_before: frozenset[int] = frozenset()
+        self.times_at_start: dict[int, ThreadTimes] | None = None
+        # Every thread of the compile seen so far, as last read.
+        self._seen: dict[int, ThreadTimes] = {}
+        # The own time last bounded, and each thread's CPU time then: the
+        # own time now is at least that plus the most CPU one had since.
+        self._own_floor_s = 0.0
+        self._cpu_at_floor: dict[int, float] = {}
         self.result: Any = None
         # (ErrorCode, message) once the job failed.
         self.error: tuple[ErrorCode, str] | None = None
@@ -137,25 +216,43 @@ class CompileJob:
             self.error = (code, message)
             self.done.set()
 
-    def start(self, tid: int, now: float, times: ThreadTimes | None) -> None:
-        """The worker thread ``tid`` starts the compile at ``now``."""
+    def start(
+        self,
+        tid: int,
+        now: float,
+        times: dict[int, ThreadTimes] | None,
+        before: frozenset[int] = frozenset(),
+    ) -> None:
+        """The thread ``tid`` starts the compile at ``now``; ``times`` are its
+        threads' times then, ``before`` the process's threads then."""
         self.tid = tid
         self.started_at = now
+        self.threads_before = before
         self.times_at_start = times
-        self._exact_own_s = 0.0
-        self._exact_cpu_s = times.cpu_s if times is not None else 0.0
+        self._seen = dict(times) if times is not None else {}
+        self._own_floor_s = 0.0
+        self._cpu_at_floor = {t: reading.cpu_s for t, reading in self._seen.items()}
 
-    def own_time(self, wall: float, times: ThreadTimes | None) -> float:
-        """The compile's own time after ``wall`` seconds, given its thread's
+    def own_time(self, wall: float, times: dict[int, ThreadTimes] | None) -> float:
+        """The compile's own time after ``wall`` seconds, given its threads'
         ``times`` read at that moment: never more than it really was."""
         start = self.times_at_start
         if times is None or start is None:
             return wall
-        if not times.runnable:
-            own = wall - (times.waited_s - start.waited_s)
-            self._exact_own_s, self._exact_cpu_s = own, times.cpu_s
-            return own
-        return self._exact_own_s + max(0.0, times.cpu_s - self._exact_cpu_s)
+        self._seen.update(times)  # a thread that ended keeps its last reading
+        floor = self._cpu_at_floor
+        computed = max(reading.cpu_s - floor.get(t, 0.0) for t, reading in self._seen.items())
+        own = self._own_floor_s + max(0.0, computed)
+        if not any(reading.runnable for reading in times.values()):
+            # No wait in progress: the ended waits are all of them.
+            waited = sum(
+                reading.waited_s - (start[t].waited_s if t in start else 0.0)
+                for t, reading in self._seen.items()
+            )
+            own = max(own, wall - waited)
+        self._own_floor_s = own
+        self._cpu_at_floor = {t: reading.cpu_s for t, reading in self._seen.items()}
+        return own
 
     def overrun(
         self,
@@ -167,7 +264,7 @@ class CompileJob:
     ) -> str | None:
         """Why this job is past its deadline at ``now``, or None if it is not.
 
-        The thread is read only once the wall clock alone has passed
+        The threads are read only once the wall clock alone has passed
         ``timeout_s`` (the common case costs nothing).
         ``wall_timeout_s`` bounds the wall clock itself. ``names`` are how
         the two options are named on this host.
@@ -175,7 +272,7 @@ class CompileJob:
         wall = now - (self.started_at if self.started_at is not None else now)
         if wall <= timeout_s:
             return None
-        own = self.own_time(wall, read(self.tid))
+        own = self.own_time(wall, read(self.tid, self.threads_before))
         if own > timeout_s:
             return (
                 f"compile ran past {names[0]}={timeout_s:g}s "

@@ -53,8 +53,10 @@ from gramcoord.rank_worker.errors import ErrorCode, clean_native_message
 from gramcoord.rank_worker.grammars.compile_job import (
     CompileJob,
     ThreadReader,
+    name_compile_thread,
     no_reading,
-    read_thread_times,
+    read_compile_threads,
+    thread_ids,
 )
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.native_exit import native_call
@@ -154,9 +156,9 @@ class CompileService:
     clock:
         Monotonic seconds; injected by tests.
     thread_times:
-        A thread's CPU time, run-queue waits and state (``compile_job``),
-        from which the deadline takes the compile's own time; none under an
-        injected clock by default.
+        The CPU time, run-queue waits and state of a compile's threads
+        (``compile_job``), from which the deadline takes the compile's own
+        time; none under an injected clock by default.
     """
 
     def __init__(
@@ -172,7 +174,7 @@ class CompileService:
         self.wall_timeout_s = config.wall_timeout_s
         self._names = (config.option("compile_timeout_s"), config.option("compile_wall_timeout_s"))
         if thread_times is None:
-            thread_times = read_thread_times if clock is time.monotonic else no_reading
+            thread_times = read_compile_threads if clock is time.monotonic else no_reading
         self._thread_times = thread_times
         self.pool_size = config.pool_size
         self.stuck_limit = config.stuck_limit
@@ -281,8 +283,12 @@ class CompileService:
             if job.done.is_set():  # failed or released while queued
                 return
             tid = threading.get_native_id()
-            # Sync compiles have no deadline: nothing to read.
-            job.start(tid, self._clock(), None if self.sync else self._thread_times(tid))
+            if self.sync:  # no deadline, nothing to read (and the caller's thread keeps its name)
+                job.start(tid, self._clock(), None)
+            else:
+                name_compile_thread()
+                before = thread_ids()
+                job.start(tid, self._clock(), self._thread_times(tid, before), before)
             self._running.add(job)
         t0 = time.perf_counter()
         try:

@@ -18,7 +18,10 @@ from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_job import (
     CompileJob,
     ThreadTimes,
+    name_compile_thread,
+    read_compile_threads,
     read_thread_times,
+    thread_ids,
 )
 from gramcoord.rank_worker.grammars.compile_service import CompileService
 from gramcoord.rank_worker.grammars.spec import validate_spec
@@ -33,17 +36,21 @@ needs_schedstat = pytest.mark.skipif(
 
 
 class Clocks:
-    """A test-driven wall clock and thread reading (one compile here)."""
+    """A test-driven wall clock and thread readings (one compile here): the
+    compile's thread, and any threads it started (by made-up ids)."""
 
     def __init__(self) -> None:
         self.now = 100.0
         self.times: ThreadTimes | None = ThreadTimes(0.0, 0.0, True)
+        self.started: dict[int, ThreadTimes] = {}
 
     def clock(self) -> float:
         return self.now
 
-    def read(self, tid: int) -> ThreadTimes | None:
-        return self.times
+    def read(self, tid: int, before: frozenset[int]) -> dict[int, ThreadTimes] | None:
+        if self.times is None:
+            return None
+        return {tid: self.times, **self.started}
 
 
 def _running_job(config: GrammarConfig, clocks: Clocks):
@@ -115,6 +122,52 @@ def test_the_deadline_is_the_compiles_own_time(case):
             service.poll()
         assert _error(job) == expected
         assert service.num_stuck() == (expected is not None)
+    finally:
+        release.set()
+        service.close()
+
+
+# The compile thread sleeps until the two threads it started end (vLLM's
+# lone compile: xgrammar's threads do the work). Each case: readings (wall
+# clock since the start, then per started thread its CPU time, ended waits
+# and runnable?), one poll after each; the outcome after the last.
+STARTED = {
+    # Both queued for a CPU most of the time: the compile thread alone
+    # (asleep, never waiting) would be charged all 3 s.
+    "workers queued most of the time": ([(3.0, [(0.8, 2.0, True), (0.8, 2.0, True)])], None),
+    "workers computing past": ([(3.0, [(1.2, 0.5, True), (0.6, 1.0, True)])], OWN),
+    # None runnable: the wall clock less every ended wait (both threads').
+    "workers blocked, waits ended": ([(3.0, [(0.4, 1.5, False), (0.4, 1.0, False)])], None),
+    "workers blocked past": ([(3.0, [(0.4, 0.5, False), (0.4, 0.5, False)])], OWN),
+    # An exact bound, then CPU: 0.5 s at 3 s, then the busier thread's 0.6 s.
+    "exact, then the busier thread": (
+        [
+            (3.0, [(0.2, 1.3, False), (0.2, 1.2, False)]),
+            (6.0, [(0.8, 1.3, True), (0.5, 1.2, True)]),
+        ],
+        OWN,
+    ),
+    # A thread that ended keeps its waits: the exact bound stays 0.5 s.
+    "a thread ended": (
+        [(3.0, [(0.2, 1.3, False), (0.2, 1.2, False)]), (3.4, [(0.2, 1.3, False)])],
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(STARTED))
+def test_the_deadline_reads_every_thread_the_compile_started(case):
+    readings, expected = STARTED[case]
+    clocks = Clocks()
+    service, job, release = _running_job(_config(), clocks)
+    try:
+        start = clocks.now
+        for wall, started in readings:
+            clocks.now = start + wall
+            clocks.times = ThreadTimes(0.0, 0.0, False)  # the compile thread sleeps
+            clocks.started = {-1 - i: ThreadTimes(*t) for i, t in enumerate(started)}
+            service.poll()
+        assert _error(job) == expected
     finally:
         release.set()
         service.close()
@@ -194,12 +247,28 @@ def hog_cpu():
         hog.wait()
 
 
+def _spin_measured(cpu_s: float) -> tuple[float, float]:
+    """``_spin_cpu_s`` on the calling thread: (its CPU, its ended waits) meanwhile."""
+    tid = threading.get_native_id()
+    start = read_thread_times(tid)
+    _spin_cpu_s(cpu_s)
+    end = read_thread_times(tid)
+    return end.cpu_s - start.cpu_s, end.waited_s - start.waited_s
+
+
 class Starved:
     """One compile of ``cpu_s`` CPU-seconds at ``nice``, pinned to ``cpu``
     beside the hog, under a ``deadline_s`` of its own time; ``should_poll``
-    (the moment) says when the test polls the service."""
+    (the moment) says when the test polls the service.
 
-    def __init__(self, cpu: int, deadline_s: float, cpu_s: float, nice: int) -> None:
+    With ``threads``, the compile starts that many threads that compute
+    ``cpu_s`` each and sleeps until they end, as xgrammar's compile with
+    several threads does (they inherit its CPU, nice and name); ``seen``
+    then holds the busiest thread's CPU and the fewest waits."""
+
+    def __init__(
+        self, cpu: int, deadline_s: float, cpu_s: float, nice: int, threads: int = 0
+    ) -> None:
         self.seen: dict[str, float] = {}
         self.polls = 0
         # The compile thread, its reading and the clock as it starts to compute.
@@ -210,13 +279,20 @@ class Starved:
             os.sched_setaffinity(0, {cpu})  # this thread only
             start, at = read_thread_times(threading.get_native_id()), time.monotonic()
             self.start = (threading.get_native_id(), start, at)
-            _spin_cpu_s(cpu_s)
-            end = read_thread_times(threading.get_native_id())
-            self.seen.update(
-                wall=time.monotonic() - at,
-                cpu=end.cpu_s - start.cpu_s,
-                waited=end.waited_s - start.waited_s,
-            )
+            if threads:
+                spent: list[tuple[float, float]] = []
+                workers = [
+                    threading.Thread(target=lambda: spent.append(_spin_measured(cpu_s)))
+                    for _ in range(threads)
+                ]
+                for worker in workers:
+                    worker.start()
+                for worker in workers:
+                    worker.join()
+                cpu_used, waited = max(c for c, _ in spent), min(w for _, w in spent)
+            else:
+                cpu_used, waited = _spin_measured(cpu_s)
+            self.seen.update(wall=time.monotonic() - at, cpu=cpu_used, waited=waited)
             self.returned.set()
             return object()
 
@@ -305,6 +381,72 @@ def test_a_starved_compile_finishes_instead_of_timing_out(hog_cpu):
         assert seen["cpu"] > deadline_s, (job.error, seen)
         pytest.skip(f"this machine charged the compile {seen['cpu']:.2f} CPU-s")
     assert seen["wall"] > deadline_s, seen  # the wall clock alone would have timed it out
+
+
+@needs_schedstat
+def test_a_starved_compile_on_threads_it_started_finishes(hog_cpu):
+    """vLLM's lone compile: xgrammar's threads compute while the thread that
+    called the compile sleeps until they end. Read alone, that thread waits
+    for nothing and is charged the wall clock; the deadline reads the
+    threads it started too. Two threads at nice +10 beside the hog need
+    three deadlines or more of wall clock for 0.3 deadlines of CPU each."""
+    deadline_s = 1.0
+    starved = Starved(hog_cpu, deadline_s, cpu_s=0.3 * deadline_s, nice=10, threads=2)
+    job = starved.run(lambda now: True, every_s=0.2)
+    seen = starved.seen
+    assert seen["waited"] > 0, seen
+    if job.error is not None:
+        assert seen["cpu"] > deadline_s, (job.error, seen)
+        pytest.skip(f"this machine charged the compile {seen['cpu']:.2f} CPU-s")
+    assert seen["wall"] > deadline_s, seen  # the calling thread alone would have timed it out
+
+
+@needs_schedstat
+def test_the_reading_covers_the_threads_a_compile_thread_started():
+    """A compile thread's reading holds it and the threads started on it since
+    the compile began (they carry its name), not the process's other
+    threads, nor the threads alive before."""
+    release, ready = threading.Event(), threading.Event()
+    tids: dict[str, int] = {}
+    readings: list = []
+
+    def park(name: str) -> None:
+        tids[name] = threading.get_native_id()
+        release.wait(60)
+
+    def compile_thread() -> None:
+        name_compile_thread()
+        tids["compile"] = threading.get_native_id()
+        before_child = threading.Thread(target=park, args=("before",))
+        before_child.start()
+        while "before" not in tids:
+            time.sleep(0.001)
+        before = thread_ids()
+        child = threading.Thread(target=park, args=("child",))
+        child.start()
+        while "child" not in tids:
+            time.sleep(0.001)
+        readings.append(read_compile_threads(tids["compile"], before))
+        ready.set()
+        release.wait(60)
+        before_child.join()
+        child.join()
+
+    other = threading.Thread(target=park, args=("other",))
+    other.start()
+    runner = threading.Thread(target=compile_thread)
+    runner.start()
+    try:
+        assert ready.wait(60)
+        assert set(readings[0]) == {tids["compile"], tids["child"]}
+        # A thread that was never named is read alone.
+        assert set(read_compile_threads(threading.get_native_id(), frozenset())) == {
+            threading.get_native_id()
+        }
+    finally:
+        release.set()
+        runner.join()
+        other.join()
 
 
 @needs_schedstat
