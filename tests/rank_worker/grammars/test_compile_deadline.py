@@ -81,31 +81,57 @@ def _error(job: CompileJob) -> str | None:
     return job.error[1].split(" (")[0]
 
 
-# Each case: readings (wall clock since the start, the thread's CPU time,
-# its ended run-queue waits, runnable?), one poll after each; the outcome
-# after the last.
+# Each case: readings, one poll after each, and the outcome after the last.
+# A reading is the wall clock since the start, then (CPU time, ended
+# run-queue waits, runnable?) of the compile's thread (None: no reading),
+# then the same of each thread it started.
+SLEEPS = (0.0, 0.0, False)  # a compile thread that waits for the threads it started
 CASES = {
     # Sleeping or blocked: no wait in progress, the waits that ended are exact.
-    "blocked, waited most of it": ([(5.0, 0.1, 4.5, False)], None),
-    "blocked, own time past": ([(5.0, 0.1, 3.0, False)], OWN),
-    "blocked from the start": ([(1.5, 0.0, 0.0, False)], OWN),
+    "blocked, waited most of it": ([(5.0, (0.1, 4.5, False))], None),
+    "blocked, own time past": ([(5.0, (0.1, 3.0, False))], OWN),
+    "blocked from the start": ([(1.5, (0.0, 0.0, False))], OWN),
     # Runnable: a wait may be in progress that the kernel has not added yet.
     # 5 s of wall clock, 0.5 s of waits ended, 0.3 s of CPU: the other 4.2 s
     # are a wait in progress, not the compile's time (the wall clock less the
     # ended waits timed it out).
-    "queued in a long wait": ([(5.0, 0.3, 0.5, True)], None),
-    "computing past": ([(1.5, 1.2, 0.0, True)], OWN),
+    "queued in a long wait": ([(5.0, (0.3, 0.5, True))], None),
+    "computing past": ([(1.5, (1.2, 0.0, True))], OWN),
     # An exact reading, then CPU since: 0.5 s exact at 3 s, then 0.4 s and
     # 1.0 s of CPU more while runnable.
     "exact, then computing": (
-        [(3.0, 0.2, 2.5, False), (6.0, 0.6, 2.5, True), (9.0, 1.2, 2.5, True)],
+        [(3.0, (0.2, 2.5, False)), (6.0, (0.6, 2.5, True)), (9.0, (1.2, 2.5, True))],
         OWN,
     ),
-    "exact, then queued": ([(3.0, 0.2, 2.5, False), (9.0, 0.6, 2.5, True)], None),
+    "exact, then queued": ([(3.0, (0.2, 2.5, False)), (9.0, (0.6, 2.5, True))], None),
     # The wall-clock bound, however little the compile had.
-    "past the wall bound": ([(20.5, 0.1, 1.0, True)], WALL),
+    "past the wall bound": ([(20.5, (0.1, 1.0, True))], WALL),
     # No reading (another OS): the wall clock.
-    "no reading": ([(1.5, None, None, None)], OWN),
+    "no reading": ([(1.5, None)], OWN),
+    # Two started threads do the work (vLLM's lone compile: xgrammar's).
+    # Both queued most of the time: the sleeping compile thread read alone
+    # (never waiting) would be charged all 3 s.
+    "started, queued most of the time": ([(3.0, SLEEPS, (0.8, 2.0, True), (0.8, 2.0, True))], None),
+    "started, computing past": ([(3.0, SLEEPS, (1.2, 0.5, True), (0.6, 1.0, True))], OWN),
+    # None runnable: the wall clock less every ended wait (both threads').
+    "started, blocked, waits ended": ([(3.0, SLEEPS, (0.4, 1.5, False), (0.4, 1.0, False))], None),
+    "started, blocked past": ([(3.0, SLEEPS, (0.4, 0.5, False), (0.4, 0.5, False))], OWN),
+    # An exact bound, then CPU: 0.5 s at 3 s, then the busier thread's 0.6 s.
+    "started, exact, then the busier thread": (
+        [
+            (3.0, SLEEPS, (0.2, 1.3, False), (0.2, 1.2, False)),
+            (6.0, SLEEPS, (0.8, 1.3, True), (0.5, 1.2, True)),
+        ],
+        OWN,
+    ),
+    # A thread that ended keeps its waits: the exact bound stays 0.5 s.
+    "started, one ended": (
+        [
+            (3.0, SLEEPS, (0.2, 1.3, False), (0.2, 1.2, False)),
+            (3.4, SLEEPS, (0.2, 1.3, False)),
+        ],
+        None,
+    ),
 }
 
 
@@ -116,58 +142,13 @@ def test_the_deadline_is_the_compiles_own_time(case):
     service, job, release = _running_job(_config(), clocks)
     try:
         start = clocks.now
-        for wall, cpu, waited, runnable in readings:
+        for wall, thread, *started in readings:
             clocks.now = start + wall
-            clocks.times = None if cpu is None else ThreadTimes(cpu, waited, runnable)
-            service.poll()
-        assert _error(job) == expected
-        assert service.num_stuck() == (expected is not None)
-    finally:
-        release.set()
-        service.close()
-
-
-# The compile thread sleeps until the two threads it started end (vLLM's
-# lone compile: xgrammar's threads do the work). Each case: readings (wall
-# clock since the start, then per started thread its CPU time, ended waits
-# and runnable?), one poll after each; the outcome after the last.
-STARTED = {
-    # Both queued for a CPU most of the time: the compile thread alone
-    # (asleep, never waiting) would be charged all 3 s.
-    "workers queued most of the time": ([(3.0, [(0.8, 2.0, True), (0.8, 2.0, True)])], None),
-    "workers computing past": ([(3.0, [(1.2, 0.5, True), (0.6, 1.0, True)])], OWN),
-    # None runnable: the wall clock less every ended wait (both threads').
-    "workers blocked, waits ended": ([(3.0, [(0.4, 1.5, False), (0.4, 1.0, False)])], None),
-    "workers blocked past": ([(3.0, [(0.4, 0.5, False), (0.4, 0.5, False)])], OWN),
-    # An exact bound, then CPU: 0.5 s at 3 s, then the busier thread's 0.6 s.
-    "exact, then the busier thread": (
-        [
-            (3.0, [(0.2, 1.3, False), (0.2, 1.2, False)]),
-            (6.0, [(0.8, 1.3, True), (0.5, 1.2, True)]),
-        ],
-        OWN,
-    ),
-    # A thread that ended keeps its waits: the exact bound stays 0.5 s.
-    "a thread ended": (
-        [(3.0, [(0.2, 1.3, False), (0.2, 1.2, False)]), (3.4, [(0.2, 1.3, False)])],
-        None,
-    ),
-}
-
-
-@pytest.mark.parametrize("case", list(STARTED))
-def test_the_deadline_reads_every_thread_the_compile_started(case):
-    readings, expected = STARTED[case]
-    clocks = Clocks()
-    service, job, release = _running_job(_config(), clocks)
-    try:
-        start = clocks.now
-        for wall, started in readings:
-            clocks.now = start + wall
-            clocks.times = ThreadTimes(0.0, 0.0, False)  # the compile thread sleeps
+            clocks.times = None if thread is None else ThreadTimes(*thread)
             clocks.started = {-1 - i: ThreadTimes(*t) for i, t in enumerate(started)}
             service.poll()
         assert _error(job) == expected
+        assert service.num_stuck() == (expected is not None)
     finally:
         release.set()
         service.close()
