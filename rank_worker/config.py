@@ -86,10 +86,11 @@ class GrammarConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # spare worker, so capacity survives. 0 means 2 x the pool size.
     num_stuck_compiles: NonNegInt = 0
     # Deadline of one compile, in seconds of its own time: what it computed
-    # or blocked, never the time its thread waited for a CPU, however long a
-    # wait and whenever the deadline is checked (Linux: the thread's state,
-    # CPU time and run-queue waits), so a busy machine makes compiles
-    # slower, not timed out. The wall clock elsewhere.
+    # or blocked, never the time it waited for a CPU, however long a wait
+    # and whenever the deadline is checked (Linux: the state, CPU time and
+    # run-queue waits of its thread and of the threads it started, such as
+    # xgrammar's), so a busy machine makes compiles slower, not timed out.
+    # The wall clock elsewhere.
     compile_timeout_s: PositiveFloat = 30.0
     # Wall-clock bound of one compile, waiting for a CPU included; unset
     # means 10 x compile_timeout_s. At least compile_timeout_s.
