@@ -45,8 +45,7 @@ from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.outcome import Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
-from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary
-from gramcoord.rank_worker.session.futures import GrammarFutures
+from gramcoord.rank_worker.session.futures import GrammarFutures, HostVocabulary
 
 if TYPE_CHECKING:
     # Built only over a TP group (``group`` set).

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xgrammar as xgr
 
@@ -61,7 +61,9 @@ from gramcoord.rank_worker.grammars.compile_job import (
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
 from gramcoord.rank_worker.grammars.native_exit import native_call
 from gramcoord.rank_worker.grammars.spec import GrammarSpec
-from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # hosts compile with their own tokenizer info
+    from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import xgrammar as xgr
@@ -60,7 +60,9 @@ from gramcoord.rank_worker.grammars.compile_service import (
 )
 from gramcoord.rank_worker.grammars.outcome import CacheStatus, Lookup, Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, TokenBudget, admit, validate_spec
-from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # hosts pass their own vocabulary; our engine a Tokenizer
+    from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

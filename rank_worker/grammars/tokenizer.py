@@ -78,17 +78,6 @@ class TokenizerError(ValueError):
     """The tokenizer configuration cannot be loaded."""
 
 
-class HostVocabulary(msgspec.Struct, frozen=True):
-    """A host engine's vocabulary as the grammar manager needs it: a name.
-
-    Hosts that compile with their own tokenizer info (vLLM, SGLang) pass
-    this instead of a ``Tokenizer``. The name is part of every grammar key,
-    so it must be identical on every rank and differ between vocabularies.
-    """
-
-    name: str
-
-
 class Tokenizer:
     """A loaded vocabulary: xgrammar infos, an encoder and a decoder.
 

@@ -35,7 +35,9 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gramcoord.coordinator.config import DistributedConfig
 from gramcoord.coordinator.errors import DivergenceError
@@ -43,8 +45,10 @@ from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.outcome import Lookup, Outcome
-from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary, Tokenizer
 from gramcoord.rank_worker.session.leader import StageLeader
+
+if TYPE_CHECKING:
+    from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,17 @@ logger = logging.getLogger(__name__)
 # is set on the Future as its exception.
 Admit = Callable[[Outcome], Any]
 Refuse = Callable[[Outcome], Any]
+
+
+class HostVocabulary(msgspec.Struct, frozen=True):
+    """A host engine's vocabulary as the grammar manager needs it: a name.
+
+    Hosts that compile with their own tokenizer info (vLLM, SGLang) pass
+    this instead of a ``Tokenizer``. The name is part of every grammar key,
+    so it must be identical on every rank and differ between vocabularies.
+    """
+
+    name: str
 
 
 class GrammarFutures:

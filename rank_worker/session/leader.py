@@ -30,17 +30,19 @@ from gramcoord.rank_worker.grammars.compile_service import CompileFn
 from gramcoord.rank_worker.grammars.manager import GrammarManager
 from gramcoord.rank_worker.grammars.outcome import Lookup, Outcome
 from gramcoord.rank_worker.grammars.spec import GrammarSpec, validate_spec
-from gramcoord.rank_worker.grammars.tokenizer import HostVocabulary, Tokenizer
 
 if TYPE_CHECKING:
     # A leader that decides alone never builds these: they load with the
-    # first multi-rank leader (``build``, ``for_host``).
+    # first multi-rank leader (``build``, ``for_host``). The vocabulary is
+    # a host's ``HostVocabulary`` or our engine's ``Tokenizer``: a name.
     from gramcoord.coordinator.comm import Comm
     from gramcoord.coordinator.coordinator import Coordinator
     from gramcoord.coordinator.layout import ParallelLayout
     from gramcoord.coordinator.poison_share import PoisonShare
     from gramcoord.coordinator.status import PoisonRecord
+    from gramcoord.rank_worker.grammars.tokenizer import Tokenizer
     from gramcoord.rank_worker.session.followers import NoteSender
+    from gramcoord.rank_worker.session.futures import HostVocabulary
 
 logger = logging.getLogger(__name__)
 
