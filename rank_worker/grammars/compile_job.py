@@ -35,12 +35,12 @@ gives xgrammar every CPU, and xgrammar starts its threads inside the call
 while the pool thread sleeps until they end. Read alone, that sleeping
 thread charged the compile every second its workers spent queued for a
 CPU: with six busy processes beside vLLM's server, a dev schema that
-compiles in seconds timed out at its 20-second deadline. So the
-reading covers the compile's threads (``read_compile_threads``): the one
-that called the compile and every thread started since under its name (a
-new thread inherits its creator's name, and ``name_compile_thread`` gives
-each compile thread one of its own). Both rules above hold for a set, each
-a lower bound:
+compiles in seconds timed out at its 20-second deadline. So the reading
+covers the compile's threads (``read_compile_threads``): the one that
+called the compile and every thread started since under its name (a new
+thread inherits its creator's name, and ``name_compile_thread`` gives each
+compile thread one of its own, built from its thread id). Both rules above
+hold for a set, each a lower bound:
 
 - no thread is runnable: the wall clock less the sum of the waits that
   ended (two waits at once are subtracted twice: less, never more);
@@ -57,7 +57,6 @@ clock.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -83,23 +82,34 @@ class ThreadTimes(NamedTuple):
 # not say.
 ThreadReader = Callable[[int, frozenset[int]], "dict[int, ThreadTimes] | None"]
 
-# Names of compile threads: a prefix and a number unique in the process
-# (Linux keeps 15 bytes of a thread's name).
-THREAD_NAME = "gramcoord-c"
-_thread_numbers = itertools.count(1)
+# Names of compile threads: this prefix and the thread's id in base 36,
+# which no other live thread has (ids stay below 2**22, five digits; Linux
+# keeps 15 bytes of a name). A counter would wrap or be cut to 15 bytes in
+# a process that replaced enough stuck workers, and names would repeat.
+THREAD_NAME = "gramcoord-"
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 _named = threading.local()
 
 
+def _base36(n: int) -> str:
+    out = ""
+    while True:
+        n, digit = divmod(n, 36)
+        out = _DIGITS[digit] + out
+        if n == 0:
+            return out
+
+
 def name_compile_thread() -> None:
-    """Give the calling thread a name no other thread of the process has
-    (once), so the threads a compile starts on it can be told apart from
-    every other thread's; a no-op where Linux's ``/proc`` is missing."""
+    """Give the calling thread a name no other live thread has (once), so the
+    threads a compile starts on it, which inherit it, can be told apart from
+    every other thread; a no-op where Linux's ``/proc`` is missing."""
     if getattr(_named, "done", False):
         return
     _named.done = True
     try:
         with open("/proc/thread-self/comm", "w") as f:
-            f.write(f"{THREAD_NAME}{next(_thread_numbers)}")
+            f.write(THREAD_NAME + _base36(threading.get_native_id()))
     except OSError:
         pass
 

@@ -16,6 +16,7 @@ import pytest
 from gramcoord.rank_worker.config import GrammarConfig
 from gramcoord.rank_worker.errors import ErrorCode
 from gramcoord.rank_worker.grammars.compile_job import (
+    THREAD_NAME,
     CompileJob,
     ThreadTimes,
     name_compile_thread,
@@ -390,6 +391,7 @@ def test_the_reading_covers_the_threads_a_compile_thread_started():
     release, ready = threading.Event(), threading.Event()
     tids: dict[str, int] = {}
     readings: list = []
+    names: list[str] = []
 
     def park(name: str) -> None:
         tids[name] = threading.get_native_id()
@@ -398,6 +400,8 @@ def test_the_reading_covers_the_threads_a_compile_thread_started():
     def compile_thread() -> None:
         name_compile_thread()
         tids["compile"] = threading.get_native_id()
+        with open("/proc/thread-self/comm") as f:
+            names.append(f.read().strip())
         before_child = threading.Thread(target=park, args=("before",))
         before_child.start()
         while "before" not in tids:
@@ -420,6 +424,9 @@ def test_the_reading_covers_the_threads_a_compile_thread_started():
     try:
         assert ready.wait(60)
         assert set(readings[0]) == {tids["compile"], tids["child"]}
+        # The name is unique among live threads: it holds the thread's id.
+        prefix, digits = names[0][: len(THREAD_NAME)], names[0][len(THREAD_NAME) :]
+        assert prefix == THREAD_NAME and int(digits, 36) == tids["compile"], names
         # A thread that was never named is read alone.
         assert set(read_compile_threads(threading.get_native_id(), frozenset())) == {
             threading.get_native_id()
