@@ -31,25 +31,32 @@ deadline. Hence two readings:
   exact reading is charged that sleep at the next one.
 
 A compile may run on more threads than the pool's: vLLM's lone compile
-gives xgrammar every CPU, and xgrammar starts its threads inside the call
-while the pool thread sleeps until they end. Read alone, that sleeping
-thread charged the compile every second its workers spent queued for a
-CPU: with six busy processes beside vLLM's server, a dev schema that
-compiles in seconds timed out at its 20-second deadline. So the reading
-covers the compile's threads (``read_compile_threads``): the one that
-called the compile and every thread started since under its name (a new
-thread inherits its creator's name, and ``name_compile_thread`` gives each
-compile thread one of its own, built from its thread id). Both rules above
-hold for a set, each a lower bound:
+gives xgrammar every CPU (SGLang's compiler runs xgrammar's default of 8
+threads), and xgrammar starts its threads inside the call while the pool
+thread sleeps until they end. Read alone, that sleeping thread charged the
+compile every second its workers spent queued for a CPU: with six busy
+processes beside vLLM's server, a dev schema that compiles in seconds timed
+out at its 20-second deadline. So the reading covers the compile's threads
+(``read_compile_threads``): the one that called the compile and every
+thread started since under its name (a new thread inherits its creator's
+name, and ``name_compile_thread`` gives each compile thread one of its own,
+built from its thread id). Each reading bounds the own time since the last
+one, and the bounds add up:
 
-- no thread is runnable: the wall clock less the sum of the waits that
-  ended (two waits at once are subtracted twice: less, never more);
-- else the last bound plus the most CPU any one thread had since: while a
-  thread was on a CPU the compile was not waiting for one. While it
-  computes, a compile is charged no more than its busiest thread, so never
-  more than one thread doing all the work would be.
+- the most CPU any one thread had since: while a thread was on a CPU the
+  compile was not waiting for one (so a computing compile is never charged
+  more than one thread doing all its work would be);
+- when no thread is runnable and every thread of the last reading is still
+  there: the wall clock since, less every wait since (all have ended; two
+  waits at once are subtracted twice: less, never more). A thread that
+  ended took its last waits with it, so across its end only the CPU
+  counts.
 
-A thread that ended keeps its last reading (a wait after it is missed).
+A compile whose threads all started and ended before its first reading
+(taken once the wall clock passes the deadline) is read as one thread,
+and their waits are charged to it. xgrammar's threads live until its call
+returns, so that takes a compile function that blocks after them.
+
 Where the files are missing (another OS, a kernel without
 ``CONFIG_SCHED_INFO``) there is no reading and the deadline is the wall
 clock.
@@ -100,16 +107,23 @@ def _base36(n: int) -> str:
             return out
 
 
+def compile_thread_name(tid: int) -> str:
+    """The name ``name_compile_thread`` gives thread ``tid``."""
+    return THREAD_NAME + _base36(tid)
+
+
 def name_compile_thread() -> None:
     """Give the calling thread a name no other live thread has (once), so the
     threads a compile starts on it, which inherit it, can be told apart from
-    every other thread; a no-op where Linux's ``/proc`` is missing."""
+    every other thread; a no-op where Linux's ``/proc`` is missing (its
+    threads are then read alone: only this exact name is shared)."""
     if getattr(_named, "done", False):
         return
     _named.done = True
+    tid = threading.get_native_id()
     try:
-        with open("/proc/thread-self/comm", "w") as f:
-            f.write(THREAD_NAME + _base36(threading.get_native_id()))
+        with open(f"/proc/self/task/{tid}/comm", "w") as f:
+            f.write(compile_thread_name(tid))
     except OSError:
         pass
 
@@ -159,7 +173,7 @@ def read_compile_threads(tid: int, before: frozenset[int]) -> dict[int, ThreadTi
         return None
     out = {tid: times}
     name = _thread_name(tid)
-    if name is None or not name.startswith(THREAD_NAME.encode()):
+    if name != compile_thread_name(tid).encode():
         return out
     for other in thread_ids() - before - {tid}:
         if _thread_name(other) == name and (reading := read_thread_times(other)) is not None:
@@ -183,12 +197,13 @@ class CompileJob:
         self.tid = 0
         self.threads_before: frozenset[int] = frozenset()
         self.times_at_start: dict[int, ThreadTimes] | None = None
-        # Every thread of the compile seen so far, as last read.
-        self._seen: dict[int, ThreadTimes] = {}
-        # The own time last bounded, and each thread's CPU time then: the
-        # own time now is at least that plus the most CPU one had since.
+        # The last reading (the compile's threads alive then), its wall
+        # clock, and the own time bounded at it.
+        self._last: dict[int, ThreadTimes] = {}
+        self._last_wall_s = 0.0
         self._own_floor_s = 0.0
-        self._cpu_at_floor: dict[int, float] = {}
+        # Whether every reading so far found the compile thread alone.
+        self._alone = True
         self.result: Any = None
         # (ErrorCode, message) once the job failed.
         self.error: tuple[ErrorCode, str] | None = None
@@ -239,29 +254,40 @@ class CompileJob:
         self.started_at = now
         self.threads_before = before
         self.times_at_start = times
-        self._seen = dict(times) if times is not None else {}
+        self._last = dict(times) if times is not None else {}
+        self._last_wall_s = 0.0
         self._own_floor_s = 0.0
-        self._cpu_at_floor = {t: reading.cpu_s for t, reading in self._seen.items()}
+        self._alone = True
 
     def own_time(self, wall: float, times: dict[int, ThreadTimes] | None) -> float:
         """The compile's own time after ``wall`` seconds, given its threads'
-        ``times`` read at that moment: never more than it really was."""
+        ``times`` read at that moment: never more than it really was (see
+        the module docstring). Each reading bounds the time since the last
+        one, and the bounds add up."""
         start = self.times_at_start
-        if times is None or start is None:
-            return wall
-        self._seen.update(times)  # a thread that ended keeps its last reading
-        floor = self._cpu_at_floor
-        computed = max(reading.cpu_s - floor.get(t, 0.0) for t, reading in self._seen.items())
-        own = self._own_floor_s + max(0.0, computed)
-        if not any(reading.runnable for reading in times.values()):
-            # No wait in progress: the ended waits are all of them.
-            waited = sum(
-                reading.waited_s - (start[t].waited_s if t in start else 0.0)
-                for t, reading in self._seen.items()
-            )
-            own = max(own, wall - waited)
-        self._own_floor_s = own
-        self._cpu_at_floor = {t: reading.cpu_s for t, reading in self._seen.items()}
+        if start is None:
+            return wall  # no reading from the start: the wall clock
+        if times is None:
+            return self._own_floor_s  # the reading failed: nothing more is certain
+        last, floor = self._last, self._own_floor_s
+        # While a thread was on a CPU the compile was not waiting for one.
+        computed = max(t.cpu_s - (last[i].cpu_s if i in last else 0.0) for i, t in times.items())
+        own = floor + max(0.0, computed)
+        self._alone = self._alone and times.keys() == {self.tid}
+        if not any(t.runnable for t in times.values()):
+            if self._alone:
+                # One thread throughout: the wall clock less its waits, exactly.
+                own = max(own, wall - (times[self.tid].waited_s - start[self.tid].waited_s))
+            elif last.keys() <= times.keys():
+                # Every thread read last time is still here and none is
+                # runnable: every wait since has ended and is counted
+                # (a wait in progress then is counted whole: less, never more).
+                waited = sum(
+                    t.waited_s - (last[i].waited_s if i in last else 0.0) for i, t in times.items()
+                )
+                own = max(own, floor + (wall - self._last_wall_s) - waited)
+            # A thread that ended since took its waits along: the CPU alone.
+        self._last, self._last_wall_s, self._own_floor_s = dict(times), wall, own
         return own
 
     def overrun(

@@ -107,8 +107,8 @@ CASES = {
     "exact, then queued": ([(3.0, (0.2, 2.5, False)), (9.0, (0.6, 2.5, True))], None),
     # The wall-clock bound, however little the compile had.
     "past the wall bound": ([(20.5, (0.1, 1.0, True))], WALL),
-    # No reading (another OS): the wall clock.
-    "no reading": ([(1.5, None)], OWN),
+    # A reading that fails after a good one: nothing more is certain.
+    "the reading fails": ([(1.5, (0.2, 1.0, False)), (3.0, None)], None),
     # Two started threads do the work (vLLM's lone compile: xgrammar's).
     # Both queued most of the time: the sleeping compile thread read alone
     # (never waiting) would be charged all 3 s.
@@ -125,13 +125,22 @@ CASES = {
         ],
         OWN,
     ),
-    # A thread that ended keeps its waits: the exact bound stays 0.5 s.
-    "started, one ended": (
+    # A thread that ended took its last waits along: across its end only
+    # the CPU counts. Here it computed 0.3 s, then sat queued until it ran
+    # its last slice and ended; the compile thread, woken, blocks (the GIL):
+    # the wall clock less the waits read would charge all 3 s.
+    "started, one ended unread": (
+        [(1.5, SLEEPS, (0.3, 0.0, True)), (3.0, SLEEPS)],
+        None,
+    ),
+    # Readings with the same threads bound the time between them: 0.5 s at
+    # 3 s, then 1 s of wall clock with 0.4 s of waits in all.
+    "started, exact twice": (
         [
             (3.0, SLEEPS, (0.2, 1.3, False), (0.2, 1.2, False)),
-            (3.4, SLEEPS, (0.2, 1.3, False)),
+            (4.0, SLEEPS, (0.2, 1.5, False), (0.2, 1.4, False)),
         ],
-        None,
+        OWN,
     ),
 }
 
@@ -150,6 +159,20 @@ def test_the_deadline_is_the_compiles_own_time(case):
             service.poll()
         assert _error(job) == expected
         assert service.num_stuck() == (expected is not None)
+    finally:
+        release.set()
+        service.close()
+
+
+def test_without_a_reading_the_deadline_is_the_wall_clock():
+    """Another OS (no ``/proc``): no reading from the start."""
+    clocks = Clocks()
+    clocks.times = None
+    service, job, release = _running_job(_config(), clocks)
+    try:
+        clocks.now += 1.5
+        service.poll()
+        assert _error(job) == OWN
     finally:
         release.set()
         service.close()
@@ -435,6 +458,40 @@ def test_the_reading_covers_the_threads_a_compile_thread_started():
         release.set()
         runner.join()
         other.join()
+
+
+@needs_schedstat
+def test_a_pool_compile_names_its_thread_and_a_sync_one_leaves_the_callers_name():
+    """Sync compiles run on the caller's thread (an engine's main thread,
+    whose name ``ps`` shows as the process's): it keeps its name."""
+    names: dict[str, str] = {}
+
+    def compile_fn(spec):
+        with open("/proc/thread-self/comm") as f:
+            names.setdefault("compile", f.read().strip())
+        return object()
+
+    def sync_caller() -> None:
+        with open("/proc/thread-self/comm", "w") as f:
+            f.write("host-main")
+        service = CompileService(GrammarConfig(compile_mode="sync"), compile_fn)
+        job, _ = service.submit(SPEC)
+        assert job.error is None
+        with open("/proc/thread-self/comm") as f:
+            names["sync caller"] = f.read().strip()
+
+    caller = threading.Thread(target=sync_caller)
+    caller.start()
+    caller.join(60)
+    assert names == {"compile": "host-main", "sync caller": "host-main"}
+    names.clear()
+    service = CompileService(_config(), compile_fn)
+    try:
+        job, _ = service.submit(SPEC)
+        assert job.done.wait(60) and job.error is None
+        assert names["compile"].startswith(THREAD_NAME), names
+    finally:
+        service.close()
 
 
 @needs_schedstat
