@@ -40,6 +40,7 @@ from gramcoord.integrations.vllm.options import (
 )
 from gramcoord.rank_worker.config import FaultsConfig
 from gramcoord.rank_worker.errors import ErrorCode
+from gramcoord.rank_worker.grammars.compile_job import started_threads, thread_ids
 from gramcoord.rank_worker.grammars.compile_service import choice_ebnf
 from gramcoord.rank_worker.grammars.end_check import end_check
 from gramcoord.rank_worker.grammars.json_strings import SafeStrings
@@ -118,36 +119,26 @@ class LoneCompile:
     sent to nice 19 once requests decode beside it.
 
     xgrammar starts a compile's threads inside the call, and they inherit the
-    compile thread's nice; those are the threads that appear after the
-    compile started at exactly that nice (the engine's own run at the
-    process's). The compile thread itself keeps its nice: it is a pool
-    worker that later compiles run on.
+    compile thread's nice and its name: they are the compile's started
+    threads, as its deadline reads them (``compile_job.started_threads``).
+    The compile thread itself keeps its nice: it is a pool worker that later
+    compiles run on.
     """
 
     def __init__(self, nice: int) -> None:
         self.tid = threading.get_native_id()
-        self.nice: int | None = None
-        self.before: set[str] = set()
+        # The threads alive as the compile starts; None: nothing to yield.
+        self.before = thread_ids() if nice > 0 else None
         self.yielded = False
-        if nice > 0:
-            with contextlib.suppress(OSError):  # no /proc: nothing to yield
-                self.before = set(os.listdir("/proc/self/task"))
-                self.nice = os.getpriority(os.PRIO_PROCESS, self.tid)
 
     def yield_cpus(self) -> None:
         """Nice 19 for the compile's own threads (once; raising a nice needs no privilege)."""
-        if self.yielded or self.nice is None:
+        if self.yielded or self.before is None:
             return
         self.yielded = True
-        try:
-            names = set(os.listdir("/proc/self/task")) - self.before
-        except OSError:
-            return
-        for name in names:
-            with contextlib.suppress(OSError, ValueError):
-                tid = int(name)
-                if os.getpriority(os.PRIO_PROCESS, tid) == self.nice:
-                    os.setpriority(os.PRIO_PROCESS, tid, 19)
+        for tid in started_threads(self.tid, self.before):
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 class GrammarInitError(RuntimeError):

@@ -172,13 +172,20 @@ def read_compile_threads(tid: int, before: frozenset[int]) -> dict[int, ThreadTi
     if times is None:
         return None
     out = {tid: times}
-    name = _thread_name(tid)
-    if name != compile_thread_name(tid).encode():
-        return out
-    for other in thread_ids() - before - {tid}:
-        if _thread_name(other) == name and (reading := read_thread_times(other)) is not None:
+    for other in started_threads(tid, before):
+        if (reading := read_thread_times(other)) is not None:
             out[other] = reading
     return out
+
+
+def started_threads(tid: int, before: frozenset[int]) -> list[int]:
+    """The threads alive now, not in ``before``, that carry the name
+    ``name_compile_thread`` gave thread ``tid``: those it started since
+    (none when it has no such name)."""
+    name = compile_thread_name(tid).encode()
+    if _thread_name(tid) != name:
+        return []
+    return [other for other in thread_ids() - before - {tid} if _thread_name(other) == name]
 
 
 def no_reading(tid: int, before: frozenset[int]) -> dict[int, ThreadTimes] | None:

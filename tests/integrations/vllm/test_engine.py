@@ -233,9 +233,10 @@ def test_compiles_run_on_a_niced_compile_thread_with_no_threads_of_their_own(
 
 
 def test_a_lone_compile_sends_its_own_threads_to_nice_19_once_requests_decode() -> None:
-    """``LoneCompile.yield_cpus``: the threads started after the compile did, at its nice,
-    go to nice 19; the compile thread and every other thread keep theirs."""
+    """``LoneCompile.yield_cpus``: the threads started after the compile did, under its
+    name, go to nice 19; the compile thread and every other thread keep theirs."""
     from gramcoord.integrations.vllm.backend import LoneCompile
+    from gramcoord.rank_worker.grammars.compile_job import name_compile_thread
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
     nice = min(18, base + 10)
@@ -249,6 +250,7 @@ def test_a_lone_compile_sends_its_own_threads_to_nice_19_once_requests_decode() 
     def compile_thread() -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, nice)
+        name_compile_thread()  # as the compile pool names its workers
         lone = LoneCompile(nice - base)
         helpers = [threading.Thread(target=helper, args=(f"h{i}",)) for i in range(2)]
         for h in helpers:
